@@ -1,0 +1,19 @@
+"""EAGLE-3 speculative decoding for Hugging Face transformers.
+
+Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Auto classes and lets
+`target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .compatibility import check_compatibility, check_transformers_version
+from .configuration_eagle3 import Eagle3Config
+from .modeling_eagle3 import Eagle3DraftModel
+
+check_transformers_version()
+
+AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
+AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
+
+__version__ = "0.1.0"
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "check_compatibility"]

@@ -1,0 +1,61 @@
+"""Checks that a draft fits a target before anything runs, and the transformers versions we support."""
+
+import transformers
+from packaging.version import Version
+from transformers import PreTrainedModel
+
+from .configuration_eagle3 import Eagle3Config
+
+# `hf_eagle3.generation` replaces private generation methods whose signatures change between releases.
+TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    low, high = TESTED_TRANSFORMERS
+    if not low <= Version(version) < high:
+        raise ImportError(
+            f"hf_eagle3 hooks private parts of transformers' generation loop and is tested with "
+            f"transformers >={low},<{high}; found {version}. Install a tested version: "
+            f"pip install 'transformers>={low},<{high}'."
+        )
+
+
+def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
+    """Raise one `ValueError` naming every way `draft_config` does not fit `target`; return silently if it fits."""
+    target_config = target.config.get_text_config()
+    problems = []
+    for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if getattr(target_config, field, None) is None:
+            problems.append(f"the target config has no `{field}`")
+    if problems:
+        raise ValueError("The draft cannot be checked against this target: " + "; ".join(problems) + ".")
+
+    if draft_config.target_hidden_size != target_config.hidden_size:
+        problems.append(
+            f"draft target_hidden_size={draft_config.target_hidden_size} but the target's hidden_size is "
+            f"{target_config.hidden_size}"
+        )
+    if draft_config.vocab_size != target_config.vocab_size:
+        problems.append(
+            f"draft vocab_size={draft_config.vocab_size} but the target's vocab_size is {target_config.vocab_size}"
+        )
+    num_layers = target_config.num_hidden_layers
+    if draft_config.target_layer_ids is None:
+        problems.append("the draft config has no `target_layer_ids` (set it, or `target_num_hidden_layers`)")
+    elif not all(0 <= i <= num_layers for i in draft_config.target_layer_ids):
+        problems.append(
+            f"draft target_layer_ids={draft_config.target_layer_ids} are outside the target's hidden_states "
+            f"indices 0..{num_layers}"
+        )
+    embedding = target.get_input_embeddings()
+    expected = (draft_config.vocab_size, draft_config.hidden_size)
+    if draft_config.share_target_embedding and tuple(embedding.weight.shape) != expected:
+        problems.append(
+            f"the target's input embedding has shape {tuple(embedding.weight.shape)}, the draft shares it and "
+            f"needs {expected}"
+        )
+    if problems:
+        raise ValueError(
+            "This EAGLE-3 draft does not fit the target model: " + "; ".join(problems) + ". Use a draft trained "
+            "for this target (its config records `target_name_or_path`), or train one with `hf-eagle3 train`."
+        )

