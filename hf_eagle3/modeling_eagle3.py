@@ -53,6 +53,18 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
+    def project(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[B, T, 2k]` input -> rotated queries `[B, H, T, D]`, rotated keys and values `[B, KV, T, D]`."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        return query, key, value
+
     def forward(
         self,
         hidden_states: torch.Tensor,  # [B, T, 2k]
@@ -60,12 +72,7 @@ class Eagle3Attention(nn.Module):
         attention_mask: torch.Tensor | None,  # additive, [B, 1, T, past + T]
         cache: Cache | None = None,
     ) -> torch.Tensor:
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        query, key, value = self.project(hidden_states, position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
@@ -95,6 +102,15 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
+    def attention_input(self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[input_layernorm(embedding) ; hidden_norm(feature)]`, `[B, T, 2k]`: what q / k / v read."""
+        return torch.cat([self.input_layernorm(inputs_embeds), self.hidden_norm(hidden_states)], dim=-1)
+
+    def finish(self, hidden_states: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
+        """Residual add of the attention output `[B, T, k]`, then the MLP block."""
+        hidden_states = hidden_states + attn_output
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
     def forward(
         self,
         inputs_embeds: torch.Tensor,  # [B, T, k]
@@ -103,9 +119,8 @@ class Eagle3DecoderLayer(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
-        attn_input = torch.cat([self.input_layernorm(inputs_embeds), self.hidden_norm(hidden_states)], dim=-1)
-        hidden_states = hidden_states + self.self_attn(attn_input, position_embeddings, attention_mask, cache)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        attn_input = self.attention_input(inputs_embeds, hidden_states)
+        return self.finish(hidden_states, self.self_attn(attn_input, position_embeddings, attention_mask, cache))
 
 
 @dataclass
