@@ -8,12 +8,14 @@ from transformers import AutoConfig, AutoModel
 
 from .compatibility import check_compatibility, check_transformers_version
 from .configuration_eagle3 import Eagle3Config
+from .generation import Eagle3GenerationStats, install
 from .modeling_eagle3 import Eagle3DraftModel
 
 check_transformers_version()
 
 AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
 AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
+install()
 
 __version__ = "0.1.0"
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "check_compatibility"]
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "Eagle3GenerationStats", "check_compatibility"]

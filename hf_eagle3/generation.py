@@ -1,0 +1,371 @@
+"""EAGLE-3 inside `target.generate(**inputs, assistant_model=draft)`.
+
+transformers runs assisted generation through `GenerationMixin._assisted_decoding`, whose cache rollback keeps a
+prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` therefore wraps three methods of
+`GenerationMixin`, each of which defers to the original unless the assistant is an `Eagle3DraftModel`:
+
+- `generate`: accepts the per-call tree settings `tree_depth`, `tree_top_k`, `tree_total_tokens`;
+- `_validate_generation_mode`: rejects what EAGLE-3 decoding does not support (beam search, several return
+  sequences, a different assistant tokenizer, ...) before any work is done;
+- `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
+
+One decoding cycle: the drafter grows a tree below the last generated token (the root); the target verifies root and
+tree in one forward with a tree attention mask, returning the hidden states the draft fuses; the accepted path and a
+bonus token are emitted; the target's cache keeps only the accepted path, and the drafter feeds the accepted
+positions' target features to the draft.
+"""
+
+import contextlib
+import contextvars
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationMixin
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .compatibility import check_compatibility
+from .drafter import Eagle3Drafter, TreeSettings
+from .modeling_eagle3 import Eagle3DraftModel
+from .tree import DraftTree, tree_attention_mask
+from .verify import accept_among_children, accept_sampled, children, greedy_accept
+
+TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+_tree_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_eagle3_tree_overrides", default={})
+
+
+@dataclass
+class Eagle3GenerationStats:
+    """What one EAGLE-3 `generate` call did; available afterwards as `draft.generation_stats`.
+
+    `acceptance_lengths[i]` is the number of tokens cycle `i` emitted from one target forward (accepted drafted
+    tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
+    """
+
+    settings: TreeSettings
+    acceptance_lengths: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def num_cycles(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ: mean tokens per target forward (verification cycles only)."""
+        return sum(self.acceptance_lengths) / max(self.num_cycles, 1)
+
+    @property
+    def other_seconds(self) -> float:
+        """Time of the cycles spent outside drafting and verification: acceptance, bookkeeping, Python."""
+        return self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
+
+
+class _Stopwatch:
+    """Accumulates wall time into fields of the stats; synchronises CUDA so that the split is real."""
+
+    def __init__(self, stats: Eagle3GenerationStats, device: torch.device):
+        self.stats = stats
+        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    @contextlib.contextmanager
+    def time(self, field_name: str):
+        self.synchronize()
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        setattr(self.stats, field_name, getattr(self.stats, field_name) + time.perf_counter() - start)
+
+
+def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, generation_config, model_kwargs):
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"EAGLE-3 decoding supports batch size 1, got {input_ids.shape[0]}: call generate once per sequence."
+        )
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "EAGLE-3 decoding does not return attentions or hidden states: drop output_attentions / "
+            "output_hidden_states, or generate without assistant_model."
+        )
+    cache = model_kwargs.get("cache")
+    if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(
+            f"EAGLE-3 decoding needs a plain DynamicCache on the target (full attention), got {type(cache).__name__}"
+            f"{' with ' + ', '.join(sorted({type(layer).__name__ for layer in cache.layers})) if cache else ''}: "
+            "drop cache_implementation / the cache argument."
+        )
+    text_config = model.config.get_text_config()
+    if getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True):
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window attention (sliding_window={text_config.sliding_window}), "
+            "which a single tree-attention mask cannot express yet. Set config.sliding_window = None if your "
+            "sequences never exceed the window."
+        )
+    if model.config._attn_implementation.startswith("flash_attention"):
+        raise ValueError(
+            "flash-attention cannot take a tree attention mask: load the target with attn_implementation='sdpa'."
+        )
+    check_compatibility(draft.config, model)
+
+
+def _tree_settings(draft: Eagle3DraftModel) -> TreeSettings:
+    overrides = _tree_overrides.get()
+    settings = TreeSettings(
+        depth=overrides.get("tree_depth", draft.config.tree_depth),
+        top_k=overrides.get("tree_top_k", draft.config.tree_top_k),
+        total_tokens=overrides.get("tree_total_tokens", draft.config.tree_total_tokens),
+    )
+    if settings.top_k > draft.config.draft_vocab_size:
+        raise ValueError(f"tree_top_k={settings.top_k} exceeds the draft vocabulary ({draft.config.draft_vocab_size}).")
+    return settings
+
+
+def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+    """Of the cache entries from `start` on, keep only those at offsets `keep` (sorted), moved to be contiguous."""
+    end = start + keep.numel()
+    for layer in cache.layers:
+        layer.keys[:, :, start:end] = layer.keys[:, :, start + keep]
+        layer.values[:, :, start:end] = layer.values[:, :, start + keep]
+        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+
+
+class _TargetDistribution:
+    """The target's processed next-token scores at tree nodes, exactly as plain decoding would compute them."""
+
+    def __init__(self, logits_processor, input_ids: torch.Tensor, tree: DraftTree, logits: torch.Tensor):
+        self.logits_processor, self.input_ids, self.tree, self.logits = logits_processor, input_ids, tree, logits
+
+    def scores(self, path: list[int]) -> torch.Tensor:
+        """`[V]` processed scores after the last node of `path` (root first), given the prefix and the path."""
+        path_tokens = self.tree.tokens[path[1:]][None]
+        prefix = torch.cat([self.input_ids, path_tokens], dim=-1)
+        return self.logits_processor(prefix, self.logits[path[-1]][None])[0]
+
+
+def _accept(tree: DraftTree, logits: torch.Tensor, input_ids, logits_processor, do_sample: bool, drafter):
+    """Verify `tree` given the target's raw logits `[N + 1, V]` at its nodes.
+
+    Returns `(path, bonus_token, scores)`: accepted node indices (root first) `[m]`, the bonus token `[1]`, and the
+    processed scores `[m, V]` that produced the `m` emitted tokens.
+    """
+    if not do_sample and len(logits_processor) == 0:
+        path = greedy_accept(tree, logits.argmax(-1))
+        return path, logits[path[-1]].argmax(-1, keepdim=True), logits[path]
+
+    target = _TargetDistribution(logits_processor, input_ids, tree, logits)
+    path, path_scores = [0], []
+    while True:
+        scores = target.scores(path)
+        path_scores.append(scores)
+        child_nodes = children(tree, path[-1])
+        if not do_sample:
+            choice = scores.argmax(-1, keepdim=True)
+            matching = child_nodes[tree.tokens[child_nodes] == choice]
+            if matching.numel() == 0:
+                return torch.tensor(path, device=logits.device), choice, torch.stack(path_scores)
+            path.append(int(matching[0]))
+            continue
+        probs = scores.softmax(-1)
+        if child_nodes.numel() == 0:
+            residual = probs
+        elif drafter.sample_chain:
+            child = int(child_nodes[0])
+            draft_probs = torch.zeros_like(probs).index_add_(
+                0, drafter.draft_to_target, drafter.draft_probs[child - 1].to(probs.dtype)
+            )
+            accepted, residual = accept_sampled(probs, draft_probs, int(tree.tokens[child]), float(torch.rand(())))
+            if accepted:
+                path.append(child)
+                continue
+        else:
+            index, residual = accept_among_children(
+                probs, tree.tokens[child_nodes], torch.rand(child_nodes.numel(), device=probs.device)
+            )
+            if index >= 0:
+                path.append(int(child_nodes[index]))
+                continue
+        bonus = torch.multinomial(residual, 1)
+        return torch.tensor(path, device=logits.device), bonus, torch.stack(path_scores)
+
+
+def eagle3_decoding(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    assistant_model: Eagle3DraftModel | None = None,
+    **model_kwargs,
+):
+    """EAGLE-3 decoding loop with the signature of `GenerationMixin._assisted_decoding` (greedy and sampling)."""
+    draft = assistant_model
+    for unused in ("inputs_tensor", "tokenizer", "assistant_tokenizer"):  # used by generate's own criteria only
+        model_kwargs.pop(unused, None)
+    _check_supported(model, draft, input_ids, generation_config, model_kwargs)
+    if draft.config.share_target_embedding and draft.embed_tokens.weight is not model.get_input_embeddings().weight:
+        draft.attach_target_embedding(model.get_input_embeddings())
+    settings = _tree_settings(draft)
+    do_sample = generation_config.do_sample
+    drafter = Eagle3Drafter(draft, settings, (generation_config.temperature or 1.0) if do_sample else None)
+    stats = Eagle3GenerationStats(settings)
+    draft.generation_stats = stats
+    stopwatch = _Stopwatch(stats, input_ids.device)
+    start_time = time.perf_counter()
+    layer_ids = draft.config.target_layer_ids
+    return_dict = generation_config.return_dict_in_generate
+    scores = () if return_dict and generation_config.output_scores else None
+    raw_logits = () if return_dict and generation_config.output_logits else None
+    cache = model_kwargs["cache"]
+
+    # Prefill: the prompt through the target, its features through the draft.
+    with stopwatch.time("prefill_seconds"):
+        model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+        outputs = model(**model_inputs, output_hidden_states=layer_ids)
+        attention_mask = model_kwargs.get("attention_mask")
+        prefix_visible = (
+            attention_mask[0].bool() if attention_mask is not None else torch.ones_like(input_ids[0], dtype=torch.bool)
+        )
+        prompt_positions = model_inputs.get("position_ids")
+        if prompt_positions is None:
+            prompt_positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        next_logits = outputs.logits[:, -1].float()
+        next_scores = logits_processor(input_ids, next_logits)
+        if do_sample:
+            next_token = torch.multinomial(next_scores.softmax(-1), 1)[0]
+        else:
+            next_token = next_scores.argmax(-1)
+        features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)  # [1, L, 3 k_t]
+        followers = torch.cat([input_ids[:, 1:], next_token[None]], dim=-1)
+        drafter.extend(followers[:, prefix_visible], features[:, prefix_visible], prompt_positions[:, prefix_visible])
+    root_position = int(prompt_positions[0, -1]) + 1
+    new_tokens, step_scores, step_logits = next_token, next_scores, next_logits
+
+    while True:
+        # Emit, stopping exactly where plain decoding would.
+        finished = False
+        for i in range(new_tokens.numel()):
+            input_ids = torch.cat([input_ids, new_tokens[None, i : i + 1]], dim=-1)
+            if scores is not None:
+                scores += (step_scores[i : i + 1],)
+            if raw_logits is not None:
+                raw_logits += (step_logits[i : i + 1],)
+            if stopping_criteria(input_ids, scores)[0]:
+                finished = True
+                new_tokens = new_tokens[: i + 1]
+                break
+        if streamer is not None:
+            streamer.put(new_tokens.cpu())
+        if finished:
+            break
+
+        with stopwatch.time("draft_seconds"):
+            tree = drafter.draft_tree(input_ids[0, -1], root_position)
+        with stopwatch.time("verify_seconds"):
+            outputs = model(
+                input_ids=tree.tokens[None],
+                position_ids=(root_position + tree.depths)[None],
+                attention_mask=tree_attention_mask(tree.ancestors, prefix_visible, model.dtype),
+                cache=cache,
+                output_hidden_states=layer_ids,
+                use_cache=True,
+            )
+        prefix_length = prefix_visible.numel()
+        logits = outputs.logits[0].float()  # [N + 1, V]
+        path, bonus, path_scores = _accept(tree, logits, input_ids, logits_processor, do_sample, drafter)
+        new_tokens = torch.cat([tree.tokens[path[1:]], bonus])
+        step_scores, step_logits = path_scores, logits[path]
+        stats.acceptance_lengths.append(new_tokens.numel())
+
+        _keep_cache_entries(cache, prefix_length, path)
+        prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(path.numel())])
+        features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)[:, path]
+        accepted_positions = root_position + torch.arange(path.numel(), device=path.device)
+        with stopwatch.time("draft_seconds"):
+            drafter.extend(new_tokens[None], features, accepted_positions[None])
+        root_position += path.numel()
+
+    if streamer is not None:
+        streamer.end()
+    stats.total_seconds = time.perf_counter() - start_time
+    if return_dict:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=cache)
+    return input_ids
+
+
+def _assistant_of(args: tuple, kwargs: dict):
+    # `generate(inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+    #           synced_gpus, assistant_model, ...)`
+    return kwargs.get("assistant_model", args[6] if len(args) > 6 else None)
+
+
+def _wrap_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        tree_kwargs = {name: kwargs.pop(name) for name in TREE_KWARGS if name in kwargs}
+        if not isinstance(_assistant_of(args, kwargs), Eagle3DraftModel):
+            if tree_kwargs:
+                raise TypeError(f"{sorted(tree_kwargs)} only apply with an Eagle3DraftModel as assistant_model.")
+            return original(self, *args, **kwargs)
+        token = _tree_overrides.set(tree_kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _tree_overrides.reset(token)
+
+    return generate
+
+
+def _wrap_validate_generation_mode(original):
+    @functools.wraps(original)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if isinstance(generation_mode_kwargs.get("assistant_model"), Eagle3DraftModel):
+            if generation_mode != GenerationMode.ASSISTED_GENERATION:
+                raise ValueError(
+                    f"EAGLE-3 decoding supports greedy decoding and sampling (num_beams=1), not {generation_mode}: "
+                    "drop num_beams / penalty_alpha / constraints, or generate without assistant_model."
+                )
+            if generation_config.num_return_sequences > 1:
+                raise ValueError(
+                    f"EAGLE-3 decoding returns one sequence per call, got num_return_sequences="
+                    f"{generation_config.num_return_sequences}: call generate several times instead."
+                )
+            if generation_config.prompt_lookup_num_tokens is not None or "assistant_tokenizer" in generation_mode_kwargs:
+                raise ValueError(
+                    "An Eagle3DraftModel shares the target's tokenizer and replaces prompt lookup: drop "
+                    "assistant_tokenizer / prompt_lookup_num_tokens."
+                )
+        return original(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    return _validate_generation_mode
+
+
+def _wrap_assisted_decoding(original):
+    @functools.wraps(original)
+    def _assisted_decoding(self, *args, assistant_model=None, **kwargs):
+        if isinstance(assistant_model, Eagle3DraftModel):
+            return eagle3_decoding(self, *args, assistant_model=assistant_model, **kwargs)
+        return original(self, *args, assistant_model=assistant_model, **kwargs)
+
+    return _assisted_decoding
+
+
+def install() -> None:
+    """Route `generate(assistant_model=<Eagle3DraftModel>)` to EAGLE-3 decoding (idempotent)."""
+    for name, wrap in (
+        ("generate", _wrap_generate),
+        ("_validate_generation_mode", _wrap_validate_generation_mode),
+        ("_assisted_decoding", _wrap_assisted_decoding),
+    ):
+        original = getattr(GenerationMixin, name)
+        if not getattr(original, "_hf_eagle3_hook", False):
+            hooked = wrap(original)
+            hooked._hf_eagle3_hook = True
+            setattr(GenerationMixin, name, hooked)

@@ -1,0 +1,108 @@
+"""EAGLE-2 dynamic draft trees as plain tensors: expansion, reranking, attention masks.
+
+A drafting cycle grows candidates depth by depth. At each depth the *frontier* (the `top_k` best candidates of the
+previous depth by cumulative draft log-probability) is expanded by its `top_k` most likely children; all expanded
+children are kept as candidates. Reranking then keeps the `total_tokens` best candidates overall. Because a child's
+score is its parent's score plus a log-probability (<= 0), the kept set is closed under taking parents, so it is a
+tree. Candidates are numbered depth by depth, parents before children, and the tree keeps that order (topological).
+
+Node 0 of a `DraftTree` is the root: the last token the target produced, not yet verified by the target itself.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# Tie-break (in float64) so that a parent always outranks its children, even when a child's log-probability rounds
+# to 0 in float32; far below any float32 score difference, so it never reorders distinct scores.
+_DEPTH_PENALTY = 1e-9
+
+
+@dataclass
+class DraftTree:
+    """Root plus `N` drafted nodes, in topological order (every parent before its children)."""
+
+    tokens: torch.Tensor  # [N + 1] target-vocabulary ids, root first
+    parents: torch.Tensor  # [N + 1] index of each node's parent; the root is its own parent (0)
+    depths: torch.Tensor  # [N + 1] distance from the root (root 0)
+    ancestors: torch.Tensor  # [N + 1, N + 1] bool, ancestors[i, j]: node j is node i or one of its ancestors
+    candidate_ids: torch.Tensor  # [N] index of each drafted node among the cycle's candidates
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.numel()
+
+
+def expand(log_probs: torch.Tensor, frontier_scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best `top_k` children of every frontier node.
+
+    Args:
+        log_probs: `[F, V_d]` draft log-probabilities of the next token after each frontier node.
+        frontier_scores: `[F]` cumulative log-probability of each frontier node (0 for the root).
+    Returns:
+        `(scores, token_ids)`, both `[F, top_k]`: cumulative child scores and draft-vocabulary ids, best first.
+    """
+    child_log_probs, token_ids = log_probs.topk(top_k, dim=-1)
+    return frontier_scores[:, None] + child_log_probs, token_ids
+
+
+def select_frontier(child_scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Flat indices (into `child_scores.flatten()`) of the `top_k` best children: the next frontier, best first."""
+    return child_scores.flatten().topk(min(top_k, child_scores.numel())).indices
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """`[n, n]` bool matrix, `[i, j]` true when `j` is `i` or an ancestor of `i`, from `parents` (`[n]`, root self)."""
+    num_nodes = parents.numel()
+    node_ids = torch.arange(num_nodes, device=parents.device)
+    ancestors = torch.zeros(num_nodes, num_nodes, dtype=torch.bool, device=parents.device)
+    ancestors[node_ids, node_ids] = True
+    walk = node_ids
+    for _ in range(max_depth):
+        walk = parents[walk]
+        ancestors[node_ids, walk] = True
+    return ancestors
+
+
+def build_tree(
+    root_token: torch.Tensor,
+    candidate_tokens: torch.Tensor,
+    candidate_scores: torch.Tensor,
+    candidate_parents: torch.Tensor,
+    candidate_depths: torch.Tensor,
+    total_tokens: int,
+) -> DraftTree:
+    """Keep the `total_tokens` best candidates and arrange them, under the root, as a `DraftTree`.
+
+    Args:
+        root_token: `[]` target id of the root.
+        candidate_tokens: `[C]` target ids of all candidates of the cycle, numbered parents before children.
+        candidate_scores: `[C]` cumulative draft log-probabilities.
+        candidate_parents: `[C]` candidate index of each candidate's parent, -1 for children of the root.
+        candidate_depths: `[C]` depth of each candidate (1 for children of the root).
+        total_tokens: how many candidates to keep.
+    """
+    num_kept = min(total_tokens, candidate_tokens.numel())
+    rank_keys = candidate_scores.double() - _DEPTH_PENALTY * candidate_depths
+    kept = rank_keys.topk(num_kept).indices.sort().values  # [N], topological order
+
+    # Node index of every kept candidate (root = node 0, kept[i] = node i + 1); -1 (root's children) maps to 0.
+    node_of_candidate = torch.zeros(candidate_tokens.numel() + 1, dtype=torch.long, device=kept.device)
+    node_of_candidate[kept + 1] = torch.arange(1, num_kept + 1, device=kept.device)
+    parents = torch.cat([kept.new_zeros(1), node_of_candidate[candidate_parents[kept] + 1]])
+    depths = torch.cat([kept.new_zeros(1), candidate_depths[kept]])
+    tokens = torch.cat([root_token.reshape(1), candidate_tokens[kept]])
+    max_depth = int(candidate_depths.max()) if num_kept else 0
+    return DraftTree(tokens, parents, depths, ancestor_matrix(parents, max_depth), kept)
+
+
+def tree_attention_mask(
+    ancestors: torch.Tensor, prefix_visible: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive `[1, 1, n, P + n]` mask: every node sees the visible prefix (`[P]` bool) and its own ancestors.
+
+    The float form (0 = attend, dtype minimum = masked) is read the same way by eager, sdpa and flex attention.
+    """
+    num_nodes = ancestors.shape[0]
+    visible = torch.cat([prefix_visible[None, :].expand(num_nodes, -1), ancestors], dim=1)
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]

@@ -1,0 +1,81 @@
+"""Acceptance rules for verifying a draft tree against the target, as plain tensor functions.
+
+Greedy: the accepted path is the longest root-to-node path whose every token is the target's argmax after its
+parent; the target's argmax after the last accepted node is the bonus token. The output equals plain greedy decoding.
+
+Sampling, both rules lossless (the emitted token is distributed exactly as the target's processed distribution `p`):
+- `accept_among_children` (tree, deterministic top-k candidates): the children `x_1..x_m` of a node are tried in
+  order; `x_i` is accepted with probability `p'(x_i)`, where `p'` is `p` with the rejected `x_1..x_{i-1}` removed and
+  renormalised. If all are rejected, the bonus token is drawn from `p` without any of them. This is speculative
+  sampling with each candidate's draft distribution a point mass, which is what top-k drafting really is.
+- `accept_sampled` (chain whose tokens were sampled from draft distributions `q`): the standard rule, accept `x` with
+  probability `min(1, p(x) / q(x))`, else draw from `normalise(max(p - q, 0))`.
+"""
+
+import torch
+
+from .tree import DraftTree
+
+
+def greedy_accept(tree: DraftTree, target_choices: torch.Tensor) -> torch.Tensor:
+    """Node indices of the accepted path, root first.
+
+    Args:
+        tree: the verified tree.
+        target_choices: `[N + 1]` the target's greedy token after each node.
+    Returns:
+        `[m]` node indices (root first). The bonus token is `target_choices[path[-1]]`.
+    """
+    token_matches = tree.tokens == target_choices[tree.parents]  # [N + 1]
+    token_matches[0] = True
+    path_matches = ~(tree.ancestors & ~token_matches[None, :]).any(dim=-1)  # every node on the path matches
+    deepest = torch.where(path_matches, tree.depths, -1).argmax()
+    return tree.ancestors[deepest].nonzero().squeeze(-1)
+
+
+def children(tree: DraftTree, node: int) -> torch.Tensor:
+    """`[m]` indices of the children of `node`, in drafting order (most likely under the draft first)."""
+    child_mask = tree.parents == node
+    child_mask[node] = False  # the root is its own parent
+    return child_mask.nonzero().squeeze(-1)
+
+
+def accept_among_children(
+    target_probs: torch.Tensor, child_tokens: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[int, torch.Tensor]:
+    """Try deterministic candidates in order against the target distribution, renormalising after each rejection.
+
+    Args:
+        target_probs: `[V]` the target's processed next-token distribution.
+        child_tokens: `[m]` distinct candidate tokens, in the order they are tried.
+        uniforms: `[m]` independent U(0, 1) draws.
+    Returns:
+        `(index, residual)`: the position in `child_tokens` of the accepted candidate, or -1 when all are rejected,
+        and the distribution to draw the bonus token from in that case (`[V]`).
+    """
+    child_probs = target_probs[child_tokens]
+    mass_left = 1.0 - (child_probs.cumsum(0) - child_probs)  # mass of p not yet rejected before each candidate
+    accepted = uniforms * mass_left < child_probs
+    if accepted.any():
+        return int(accepted.int().argmax()), target_probs
+    residual = target_probs.clone()
+    residual[child_tokens] = 0.0
+    return -1, _normalise(residual, fallback=target_probs)
+
+
+def accept_sampled(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, token: int, uniform: float
+) -> tuple[bool, torch.Tensor]:
+    """Standard speculative sampling for a token drawn from `draft_probs` (`[V]` each).
+
+    Returns `(accepted, residual)`, residual being the distribution of the replacement token when rejected.
+    """
+    if uniform * draft_probs[token] < target_probs[token]:
+        return True, target_probs
+    return False, _normalise((target_probs - draft_probs).clamp_min(0.0), fallback=target_probs)
+
+
+def _normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = weights.sum()
+    # Zero mass left only through float rounding (the rejected candidates held all of p): keep p itself.
+    return weights / total if total > 0 else fallback

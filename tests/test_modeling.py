@@ -1,0 +1,169 @@
+"""Eagle3Config / Eagle3DraftModel: save-load, Auto classes, the cached tree-mask forward, compatibility errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModel
+from transformers.cache_utils import DynamicCache
+
+from hf_eagle3 import Eagle3Config, Eagle3DraftModel, check_compatibility
+from hf_eagle3.tree import ancestor_matrix
+
+from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
+
+
+def test_config_defaults_follow_the_official_conventions():
+    config = Eagle3Config(vocab_size=100, hidden_size=64, num_attention_heads=4, target_num_hidden_layers=32)
+    assert config.target_layer_ids == [2, 16, 29]
+    assert config.draft_vocab_size == 100 and config.target_hidden_size == 64 and config.head_dim == 16
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert Eagle3Config(rope_theta=5e5).rope_parameters["rope_theta"] == 5e5
+    assert Eagle3Config(target_layer_ids=(27, 2, 15)).target_layer_ids == [2, 15, 27]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(draft_vocab_size=200, vocab_size=100), "draft_vocab_size"),
+        (dict(num_attention_heads=6, num_key_value_heads=4, hidden_size=48), "num_key_value_heads"),
+        (dict(target_layer_ids=[1, 2]), "target_layer_ids"),
+        (dict(tree_top_k=0), "tree_top_k"),
+        (dict(hidden_size=96, target_hidden_size=32, num_attention_heads=4), "told apart"),
+    ],
+)
+def test_config_rejects_unbuildable_shapes(fields, message):
+    with pytest.raises(Exception, match=message):
+        Eagle3Config(**fields)
+
+
+def test_save_and_load_round_trip_is_identical(tmp_path):
+    draft = tiny_draft(tree_depth=5, tree_top_k=2, tree_total_tokens=9)
+    draft.attach_target_embedding(tiny_target().get_input_embeddings())
+    draft.save_pretrained(tmp_path)
+
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "embed_tokens.weight" not in saved  # shared with the target, not duplicated on disk
+    assert {"d2t", "t2d", "fc.weight", "lm_head.weight", "midlayer.hidden_norm.weight"} <= set(saved)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "eagle3"
+
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert type(loaded) is Eagle3DraftModel
+    assert type(AutoConfig.from_pretrained(tmp_path)) is Eagle3Config
+    loaded_fields = {k: v for k, v in loaded.config.to_dict().items() if k != "_name_or_path"}
+    assert loaded_fields == {k: v for k, v in draft.config.to_dict().items() if k != "_name_or_path"}
+    assert (loaded.config.tree_depth, loaded.config.tree_top_k, loaded.config.tree_total_tokens) == (5, 2, 9)
+    original_state = draft.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert tensor.dtype == original_state[name].dtype and torch.equal(tensor, original_state[name]), name
+
+
+def test_a_checkpoint_carrying_its_own_embedding_saves_and_loads_it(tmp_path):
+    draft = tiny_draft(share_target_embedding=False)
+    draft.save_pretrained(tmp_path)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.embed_tokens.weight, draft.embed_tokens.weight)
+
+
+def test_loading_an_incomplete_checkpoint_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    draft = tiny_draft(share_target_embedding=False)
+    draft.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        Eagle3DraftModel.from_pretrained(tmp_path)
+
+
+def test_forward_without_the_shared_embedding_explains_how_to_attach_it():
+    draft = tiny_draft()
+    with pytest.raises(RuntimeError, match="attach_target_embedding"):
+        draft(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 3 * HIDDEN))
+
+
+def test_draft_vocabulary_maps_draft_ids_to_target_ids():
+    draft = tiny_draft(draft_vocab_size=4)
+    draft.set_draft_vocabulary(torch.tensor([90, 3, 17, 5]))
+    assert draft.draft_to_target.tolist() == [3, 5, 17, 90]
+    assert draft.t2d.nonzero().flatten().tolist() == [3, 5, 17, 90]
+    with pytest.raises(ValueError, match="distinct"):
+        draft.set_draft_vocabulary(torch.tensor([1, 1, 2, 3]))
+
+
+def _tree_vs_paths(attn_implementation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft outputs for a tree fed with a cache and a 4D mask, and the same nodes recomputed path by path."""
+    torch.manual_seed(0)
+    draft = tiny_draft()
+    draft.config._attn_implementation = attn_implementation
+    draft.attach_target_embedding(torch.nn.Embedding(VOCAB, HIDDEN))
+    prefix_tokens, prefix_features = torch.randint(VOCAB, (1, 7)), torch.randn(1, 7, 3 * HIDDEN)
+    # A forest of two trees below the last prefix position, as tree expansion feeds it: 0 -> 1 -> 3 -> 4 -> 5 and
+    # 2 -> 6 (roots are their own parents; numbering is topological).
+    parents = torch.tensor([0, 0, 2, 1, 3, 4, 2])
+    depths = torch.tensor([0, 1, 0, 2, 3, 4, 1])
+    tokens, features = torch.randint(VOCAB, (1, 7)), torch.randn(1, 7, HIDDEN)
+    ancestors = ancestor_matrix(parents, max_depth=4)
+
+    cache = DynamicCache()
+    draft(prefix_tokens, prefix_features, cache=cache)
+    mask = torch.cat([torch.ones(7, 7, dtype=torch.bool), ancestors], dim=1)[None, None]
+    tree_out = draft(tokens, features, position_ids=(7 + depths)[None], attention_mask=mask, cache=cache)
+
+    path_outs = torch.empty_like(tree_out.hidden_states)
+    for node in range(7):
+        path = ancestors[node].nonzero().flatten()  # root first (topological numbering)
+        fresh = DynamicCache()
+        draft(prefix_tokens, prefix_features, cache=fresh)
+        out = draft(tokens[:, path], features[:, path], position_ids=(7 + depths[path])[None], cache=fresh)
+        path_outs[0, node] = out.hidden_states[0, -1]
+    return tree_out.hidden_states, path_outs
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_tree_masked_forward_with_cache_equals_recomputing_each_path(attn_implementation):
+    tree_out, path_outs = _tree_vs_paths(attn_implementation)
+    assert (tree_out - path_outs).abs().max() <= 1e-5
+
+
+def test_sdpa_and_eager_agree():
+    sdpa, _ = _tree_vs_paths("sdpa")
+    eager, _ = _tree_vs_paths("eager")
+    assert (sdpa - eager).abs().max() <= 1e-5
+
+
+def test_compatible_draft_passes_the_check():
+    check_compatibility(tiny_draft().config, tiny_target())
+
+
+@pytest.mark.parametrize(
+    "draft_fields, message",
+    [
+        (dict(target_hidden_size=48), "target_hidden_size=48"),
+        (dict(vocab_size=VOCAB + 1), "vocab_size=97"),
+        (dict(target_layer_ids=[2, 4, LAYERS + 3]), "outside the target"),
+        (dict(hidden_size=48, num_attention_heads=4), "input embedding has shape"),
+    ],
+)
+def test_each_incompatibility_is_named(draft_fields, message):
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=LAYERS
+    )
+    with pytest.raises(ValueError, match=message):
+        check_compatibility(Eagle3Config(**(fields | draft_fields)), tiny_target())
+
+
+def test_every_mismatch_is_reported_at_once():
+    config = Eagle3Config(vocab_size=VOCAB + 1, hidden_size=HIDDEN, target_hidden_size=40, target_layer_ids=[1, 2, 99])
+    with pytest.raises(ValueError) as error:
+        check_compatibility(config, tiny_target())
+    assert all(part in str(error.value) for part in ("target_hidden_size=40", "vocab_size=97", "outside the target"))
+
+
+def test_missing_config_fields_are_errors_not_guesses():
+    config = Eagle3Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4)  # no target_layer_ids
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        check_compatibility(config, tiny_target())
