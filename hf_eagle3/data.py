@@ -146,7 +146,7 @@ def normalize_messages(record: object) -> tuple[list[dict] | None, str | None]:
             break
         conversation.append(message)
     if not any(message["role"] == "user" for message in conversation):
-        return None, "no user turn"
+        return None, "no user turn at the start"
     return conversation, None
 
 

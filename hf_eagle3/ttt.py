@@ -117,13 +117,12 @@ class TrainingTimeTest(nn.Module):
         attention = draft.midlayer.self_attn
         batch_size, length = input_ids.shape
 
-        # Row i at step 0 reads token t_{i+1} and predicts t_{i+2} against L_{i+1}; every step shifts one further.
+        # The target's view of every position j: its distribution of t_{j+1} renormalised over the draft vocabulary,
+        # and whether its top-1 is in that vocabulary. Row i at step s reads position j = i + s + 1.
         with torch.no_grad():
             target_probs = target_logits[..., draft.draft_to_target].float().softmax(-1)  # [B, T, Vd]
             target_top1_in_draft = draft.t2d[target_logits.argmax(-1)]  # [B, T]
         tokens = shift_left(input_ids)  # t_{i+1}
-        target_probs = shift_left(target_probs)  # L_{i+1}, renormalised on the draft vocabulary
-        target_top1_in_draft = shift_left(target_top1_in_draft, fill=False)
         assistant = shift_left(shift_left(loss_mask.bool(), fill=False), fill=False)  # t_{i+2} is an assistant token
 
         features = draft.fuse(target_features)  # g, [B, T, k]
@@ -132,7 +131,7 @@ class TrainingTimeTest(nn.Module):
         keys, values = [], []
         loss = features.new_zeros((), dtype=torch.float32)
         step_losses, step_correct, step_counts, chain_accepted, chain_attempted = [], [], [], [], []
-        chain_alive = torch.ones_like(assistant)  # every earlier draft of the row matched the target
+        chain_alive = torch.ones_like(assistant)  # every earlier draft of the row matched the target's top-1
         for step in range(self.steps):
             embeds = draft.embed_tokens(tokens).to(features.dtype)
             attn_input = draft.midlayer.attention_input(embeds, features)  # [B, T, 2k]
@@ -142,26 +141,29 @@ class TrainingTimeTest(nn.Module):
             values.append(value)
             attn_output = ttt_attention(query, keys, values, attention.scaling, causal_mask.to(query.dtype))
             features = draft.midlayer.finish(features, attention.o_proj(attn_output))  # a^s, [B, T, k]
-            log_probs = draft.compute_logits(features).float().log_softmax(-1)  # [B, T, Vd]
 
-            kept = assistant & target_top1_in_draft
-            kept_count = kept.sum()
-            cross_entropy = -(target_probs * log_probs).sum(-1)  # [B, T]
-            step_loss = (cross_entropy * kept).sum() / kept_count.clamp(min=1)
+            # Logits only where they are scored: rows whose predicted token is an assistant token.
+            rows = assistant[:, : length - step - 1]  # rows past T - step - 2 have no target
+            log_probs = draft.compute_logits(features[:, : length - step - 1][rows]).float().log_softmax(-1)  # [N, Vd]
+            row_target_probs = target_probs[:, step + 1 :][rows]  # [N, Vd]
+            row_in_draft = target_top1_in_draft[:, step + 1 :][rows]  # [N]
+            cross_entropy = -(row_target_probs * log_probs).sum(-1)  # [N]
+            kept_count = row_in_draft.sum()
+            step_loss = (cross_entropy * row_in_draft).sum() / kept_count.clamp(min=1)
             loss = loss + self.decay**step * step_loss
             with torch.no_grad():
-                correct = (log_probs.argmax(-1) == target_probs.argmax(-1)) & target_top1_in_draft
+                row_correct = (log_probs.argmax(-1) == row_target_probs.argmax(-1)) & row_in_draft  # [N]
+                correct = torch.zeros_like(assistant)
+                correct[:, : length - step - 1][rows] = row_correct
                 step_losses.append(step_loss.detach())
-                step_correct.append((correct & kept).sum())
+                step_correct.append(row_correct.sum())
                 step_counts.append(kept_count)
                 chain_attempted.append((chain_alive & assistant).sum())
                 chain_alive = chain_alive & correct
-                chain_accepted.append((chain_alive & assistant).sum())
+                chain_accepted.append(chain_alive.sum())
 
             # Next step: same rows, one position further on; the feature a^s stays in its row and feeds back.
             tokens = shift_left(tokens)
-            target_probs = shift_left(target_probs)
-            target_top1_in_draft = shift_left(target_top1_in_draft, fill=False)
             assistant = shift_left(assistant, fill=False)
         return TTTOutput(
             loss=loss,

@@ -1,0 +1,521 @@
+"""Train an EAGLE-3 draft for a target model with training-time test (`hf-eagle3 train`, or `train` from Python).
+
+One optimizer step:
+
+    batch of conversations (right padded)  ->  target forward, no grad  ->  features [l ; m ; h], logits
+    ->  TrainingTimeTest (S unrolled draft steps, see `hf_eagle3.ttt`)  ->  loss  ->  AdamW (0.9, 0.95), clip 0.5
+
+Target features are computed online by default; `--precompute-features DIR` writes them to disk once (features and
+the target's final hidden state, bf16) and reads them back on every epoch. Runs on CPU or CUDA, in one process or
+under `accelerate launch` (data-parallel: each process reads its own share of every round of batches).
+
+Every `save_every` steps a checkpoint (draft weights, optimizer, scheduler, RNG states, data position, history) is
+written atomically to `output_dir/checkpoint-XXXXXX`; `--resume` continues from the latest one exactly: the same next
+batch, learning rate and optimizer state, so a resumed run ends with the weights of an uninterrupted one.
+Held-out evaluation reports the per-step accuracy, chain acceptance n-α (greedy: the n-th drafted token is accepted
+given the previous ones were) and the chain τ it implies; `training.png` plots loss and n-α.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+
+from .configuration_eagle3 import Eagle3Config
+from .data import Example, load_dataset, load_target
+from .modeling_eagle3 import Eagle3DraftModel
+from .ttt import TrainingTimeTest
+from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary
+
+CHECKPOINT_PREFIX = "checkpoint-"
+DRAFT_VOCABULARY_FILE = "draft_vocab.safetensors"
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run (saved as `train_config.json` in the output directory)."""
+
+    data: str  # directory written by `hf-eagle3 prepare-data`
+    output_dir: str
+    target: str = "smollm2"  # target path / Hub id, or "smollm2" for the embedded SmolLM2-135M-Instruct
+    eval_data: str | None = None  # prepared directory for held-out evaluation; default: a split of `data`
+    eval_fraction: float = 0.02  # held-out share of `data` when `eval_data` is not given
+    draft_vocab_size: int = 32000
+    intermediate_size: int | None = None  # draft MLP width; default: the target's
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    learning_rate: float = 5e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    batch_size: int = 4  # conversations per micro-batch and process
+    gradient_accumulation_steps: int = 1
+    epochs: float = 1.0  # ignored when max_steps is set
+    max_steps: int | None = None
+    max_length: int = 2048  # conversations are cut to this many tokens
+    bf16: bool = False  # bf16 autocast (the target then runs in bf16 too)
+    seed: int = 0
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    eval_every: int = 200
+    eval_batches: int | None = None  # cap on evaluation batches (None: all)
+    log_every: int = 10
+    init_head_from_target: bool = True  # lm_head / norm start as the target's rows for the draft vocabulary
+    precompute_features: str | None = None  # directory of precomputed target features
+    threads: int | None = None  # torch CPU threads
+
+
+# ------------------------------------------------------------------------------------------------------ batches
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Deterministic batches of example indices for one epoch: shuffled, grouped by length to limit padding.
+
+    Examples are shuffled, sorted by length within windows of 64 batches, cut into batches, and the batches
+    shuffled again. The result depends only on `(lengths, batch_size, seed, epoch)`, which is what makes resuming exact.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    window = 64 * batch_size
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window], key=lambda index: -lengths[index])
+        batches.extend(chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size))
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def collate(examples: list[Example], indices: list[int], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids` / `loss_mask` `[B, T]` (padding has mask 0), the example `indices` `[B]` and the
+    number of real tokens `num_tokens`."""
+    length = max(len(examples[i].input_ids) for i in indices)
+    input_ids = torch.full((len(indices), length), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(indices), length), dtype=torch.long)
+    for row, index in enumerate(indices):
+        example = examples[index]
+        input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
+        loss_mask[row, : len(example.loss_mask)] = torch.tensor(example.loss_mask)
+    num_tokens = torch.tensor(sum(len(examples[i].input_ids) for i in indices))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "indices": torch.tensor(indices), "num_tokens": num_tokens}
+
+
+# ------------------------------------------------------------------------------------------------ target features
+
+
+@torch.no_grad()
+def target_forward(target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int]):
+    """(features `[B, T, 3 k_t]` at `layer_ids` of `outputs.hidden_states`, final hidden state `[B, T, k_t]`)."""
+    outputs = target.model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
+    return features, outputs.last_hidden_state
+
+
+class TargetFeatures:
+    """The target's features and logits for a batch: computed online, or read from precomputed files.
+
+    Right padding needs no attention mask: the target is causal, so padding never changes a real position.
+    """
+
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int], precomputed_dir: str | Path | None = None):
+        self.target = target
+        self.layer_ids = layer_ids
+        self.precomputed_dir = None if precomputed_dir is None else Path(precomputed_dir)
+
+    def precompute(self, examples: list[Example], split: str, progress: bool = True) -> None:
+        """Write every example's features to `precomputed_dir/split/NNNNNNN.safetensors` (skipping existing ones)."""
+        from tqdm.auto import tqdm
+
+        directory = self.precomputed_dir / split
+        directory.mkdir(parents=True, exist_ok=True)
+        device = self.target.device
+        for index in tqdm(range(len(examples)), desc=f"precomputing {split} features", disable=not progress):
+            path = directory / f"{index:07d}.safetensors"
+            if path.exists():
+                continue
+            input_ids = torch.tensor([examples[index].input_ids], device=device)
+            features, final_hidden = target_forward(self.target, input_ids, self.layer_ids)
+            partial = path.with_name(path.name + ".partial")
+            tensors = {"features": features[0].bfloat16(), "final_hidden": final_hidden[0].bfloat16()}
+            save_file({name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, str(partial))
+            os.replace(partial, path)
+
+    def __call__(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features `[B, T, 3 k_t]`, target logits `[B, T, V]`) for a collated batch on the target's device."""
+        input_ids = batch["input_ids"].to(self.target.device)
+        if self.precomputed_dir is None:
+            features, final_hidden = target_forward(self.target, input_ids, self.layer_ids)
+        else:
+            dtype = self.target.dtype
+            features = input_ids.new_zeros((*input_ids.shape, 3 * self.target.config.hidden_size), dtype=dtype)
+            final_hidden = input_ids.new_zeros((*input_ids.shape, self.target.config.hidden_size), dtype=dtype)
+            for row, index in enumerate(batch["indices"].tolist()):
+                stored = load_file(str(self.precomputed_dir / split / f"{index:07d}.safetensors"))
+                length = stored["features"].shape[0]
+                features[row, :length] = stored["features"].to(dtype)
+                final_hidden[row, :length] = stored["final_hidden"].to(dtype)
+        with torch.no_grad():
+            logits = self.target.lm_head(final_hidden)
+        return features, logits
+
+
+# -------------------------------------------------------------------------------------------------------- draft
+
+
+def draft_config_for(target: PreTrainedModel, target_name: str, draft_vocab_size: int, intermediate_size: int | None):
+    """An `Eagle3Config` shaped like one decoder layer of `target` (a Llama-style causal LM)."""
+    config = target.config
+    return Eagle3Config(
+        vocab_size=config.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        hidden_size=config.hidden_size,
+        target_hidden_size=config.hidden_size,
+        intermediate_size=intermediate_size or config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        target_num_hidden_layers=config.num_hidden_layers,
+        target_model_type=config.model_type,
+        target_name_or_path=config.name_or_path or target_name,
+    )
+
+
+def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: torch.Tensor, init_head: bool):
+    """A fresh draft on the target's embedding (frozen), with its vocabulary set; optionally its `lm_head` / `norm`
+    copied from the target's rows for the draft vocabulary, so its output space starts as the target's."""
+    draft = Eagle3DraftModel(config)
+    draft.attach_target_embedding(target.get_input_embeddings())
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft.set_draft_vocabulary(draft_token_ids)
+    if init_head:
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(target.get_output_embeddings().weight[draft.draft_to_target])
+            draft.norm.weight.copy_(target.model.norm.weight)
+    return draft
+
+
+def trainable_state_dict(draft: Eagle3DraftModel) -> dict[str, torch.Tensor]:
+    """The draft's own tensors: everything but the shared target embedding."""
+    return {name: tensor for name, tensor in draft.state_dict().items() if name != "embed_tokens.weight"}
+
+
+# --------------------------------------------------------------------------------------------------- evaluation
+
+
+def acceptance_summary(chain_accepted: torch.Tensor, chain_attempted: torch.Tensor) -> dict:
+    """n-α for n = 0 .. S-1 and the chain τ they imply (tokens per target forward with a chain of S drafts).
+
+    τ = 1 + Σ_n Π_{m<=n} α_m: the target always contributes one token, and the n-th draft counts when it and all
+    before it are accepted.
+    """
+    alphas = (chain_accepted.double() / chain_attempted.double().clamp(min=1)).tolist()
+    tau = 1.0 + sum(math.prod(alphas[: n + 1]) for n in range(len(alphas)))
+    return {"alpha": alphas, "chain_tau": tau}
+
+
+@torch.no_grad()
+def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches, split, autocast) -> dict:
+    """Held-out loss, per-step top-1 accuracy, n-α and chain τ over `batches`, summed over all processes."""
+    was_training = ttt.training
+    ttt.eval()
+    totals = None
+    for indices in batches:
+        batch = collate(examples, indices, features.target.config.pad_token_id or 0)
+        target_features, target_logits = features(batch, split)
+        device = target_features.device
+        with autocast():
+            output = ttt(batch["input_ids"].to(device), target_features, target_logits, batch["loss_mask"].to(device))
+        counts = torch.stack(
+            [output.step_losses * output.step_counts, output.step_correct, output.step_counts,
+             output.chain_accepted, output.chain_attempted]
+        ).double()
+        totals = counts if totals is None else totals + counts
+    ttt.train(was_training)
+    if totals is None:
+        return {}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals)
+    loss_sum, correct, counts, accepted, attempted = totals
+    return {
+        "loss": (loss_sum / counts.clamp(min=1)).tolist(),
+        "accuracy": (correct / counts.clamp(min=1)).tolist(),
+        **acceptance_summary(accepted, attempted),
+    }
+
+
+def plot_history(history: list[dict], path: str | Path) -> None:
+    """Training loss and held-out n-α against the optimizer step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, alpha_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    train = [entry for entry in history if "train_loss" in entry]
+    loss_axis.plot([entry["step"] for entry in train], [entry["train_loss"] for entry in train], label="train")
+    evals = [entry for entry in history if "eval" in entry]
+    loss_axis.plot([e["step"] for e in evals], [sum(e["eval"]["loss"]) for e in evals], "o-", label="held-out (sum)")
+    loss_axis.set(xlabel="optimizer step", ylabel="TTT loss (weighted sum of steps)", title="loss")
+    loss_axis.legend()
+    for n in range(len(evals[0]["eval"]["alpha"]) if evals else 0):
+        alpha_axis.plot([e["step"] for e in evals], [e["eval"]["alpha"][n] for e in evals], "o-", label=f"{n}-α")
+    alpha_axis.set(xlabel="optimizer step", ylabel="acceptance", title="held-out chain acceptance n-α", ylim=(0, 1))
+    if evals:
+        alpha_axis.legend(ncol=2, fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# -------------------------------------------------------------------------------------------------- checkpoints
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `output_dir` (partial ones are never renamed into place)."""
+    checkpoints = sorted(Path(output_dir).glob(f"{CHECKPOINT_PREFIX}[0-9]*[0-9]"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, keep: int) -> Path:
+    """Write weights, optimizer, scheduler, RNG states and `state` to a temporary directory, then rename it."""
+    final = output_dir / f"{CHECKPOINT_PREFIX}{state['step']:06d}"
+    partial = output_dir / f".{final.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file({name: t.contiguous() for name, t in trainable_state_dict(draft).items()}, str(partial / "draft.safetensors"))
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
+        partial / "training_state.pt",
+    )
+    (partial / "trainer_state.json").write_text(json.dumps(state))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    for old in sorted(output_dir.glob(f"{CHECKPOINT_PREFIX}[0-9]*[0-9]"))[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
+    """Restore what `save_checkpoint` wrote into the given objects; returns the trainer state."""
+    draft.load_state_dict(load_file(str(checkpoint / "draft.safetensors")), strict=False)
+    training_state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+    optimizer.load_state_dict(training_state["optimizer"])
+    scheduler.load_state_dict(training_state["scheduler"])
+    random.setstate(training_state["rng"]["python"])
+    torch.set_rng_state(training_state["rng"]["torch"])
+    if "cuda" in training_state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(training_state["rng"]["cuda"])
+    return json.loads((checkpoint / "trainer_state.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------------ training
+
+
+def _split_examples(config: TrainConfig) -> tuple[list[Example], list[Example]]:
+    examples = load_dataset(config.data)
+    examples = [Example(e.messages, e.input_ids[: config.max_length], e.loss_mask[: config.max_length]) for e in examples]
+    if config.eval_data is not None:
+        return examples, load_dataset(config.eval_data)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    held_out = max(1, round(config.eval_fraction * len(examples))) if config.eval_fraction > 0 else 0
+    if held_out >= len(examples):
+        raise ValueError(f"{config.data} has {len(examples)} conversations: too few to hold out {held_out}.")
+    return [examples[i] for i in order[held_out:]], [examples[i] for i in order[:held_out]]
+
+
+def train(
+    config: TrainConfig, resume: bool = False, target: PreTrainedModel | None = None, progress: bool = True
+) -> Eagle3DraftModel:
+    """Run (or resume) the training described by `config`; returns the trained draft (also saved under
+    `output_dir/draft`). `target` overrides loading `config.target` (it must then be that model)."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+    output_dir = Path(config.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = latest_checkpoint(output_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {output_dir}; drop --resume to start a new run.")
+    if not resume and latest_checkpoint(output_dir) is not None:
+        raise FileExistsError(f"{output_dir} already holds checkpoints: pass --resume, or use a new --output-dir.")
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+
+    if target is None:
+        target, _ = load_target(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
+    target.requires_grad_(False)
+    train_examples, eval_examples = _split_examples(config)
+    draft_config = draft_config_for(target, config.target, config.draft_vocab_size, config.intermediate_size)
+    vocabulary_path = output_dir / DRAFT_VOCABULARY_FILE
+    if accelerator.is_main_process:
+        draft_vocabulary_for_run(vocabulary_path, train_examples, config.draft_vocab_size, draft_config.vocab_size)
+    accelerator.wait_for_everyone()
+    draft_token_ids = load_draft_vocabulary(vocabulary_path)
+    draft = build_draft(draft_config, target, draft_token_ids, config.init_head_from_target).to(accelerator.device)
+    ttt = TrainingTimeTest(draft, steps=config.ttt_steps, decay=config.step_decay)
+
+    world_size, rank = accelerator.num_processes, accelerator.process_index
+    lengths = [len(example.input_ids) for example in train_examples]
+    rounds_per_epoch = len(epoch_batches(lengths, config.batch_size, config.seed, 0)) // world_size
+    if rounds_per_epoch < config.gradient_accumulation_steps:
+        raise ValueError(
+            f"{len(train_examples)} training conversations make {rounds_per_epoch} batch rounds per epoch, fewer than "
+            f"--gradient-accumulation-steps {config.gradient_accumulation_steps}: use more data or smaller batches."
+        )
+    total_steps = config.max_steps or max(1, int(config.epochs * rounds_per_epoch) // config.gradient_accumulation_steps)
+    optimizer = torch.optim.AdamW(
+        [p for p in draft.parameters() if p.requires_grad],
+        lr=config.learning_rate,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+    )
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total_steps)
+    state = {"step": 0, "epoch": 0, "round": 0, "history": [], "tokens": 0, "train_seconds": 0.0}
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, draft, optimizer, scheduler)
+    elif accelerator.is_main_process:
+        (output_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
+    ttt, optimizer, scheduler = accelerator.prepare(ttt, optimizer, scheduler)
+
+    features = TargetFeatures(target, draft_config.target_layer_ids, config.precompute_features)
+    if config.precompute_features is not None:
+        features.precompute(train_examples, "train", progress and accelerator.is_main_process)
+        features.precompute(eval_examples, "eval", progress and accelerator.is_main_process)
+    eval_batches = epoch_batches([len(e.input_ids) for e in eval_examples], config.batch_size, config.seed, 0)
+    eval_batches = eval_batches[rank :: world_size][: config.eval_batches]
+    if accelerator.is_main_process:
+        share = coverage(train_examples, draft_token_ids, draft_config.vocab_size)
+        accelerator.print(f"draft vocabulary: {config.draft_vocab_size} tokens cover {share:.1%} of the responses")
+
+    def run_evaluation():
+        return evaluate(ttt, features, eval_examples, eval_batches, "eval", accelerator.autocast)
+
+    pad_token_id = target.config.pad_token_id or 0
+    batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
+    bar = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not (progress and accelerator.is_main_process))
+    ttt.train()
+    while state["step"] < total_steps:
+        started = time.perf_counter()
+        step_tokens = torch.zeros((), dtype=torch.long)
+        step_metrics = None
+        for micro_step in range(config.gradient_accumulation_steps):
+            if state["round"] >= rounds_per_epoch:
+                state["epoch"], state["round"] = state["epoch"] + 1, 0
+                batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
+            batch = collate(train_examples, batches[state["round"] * world_size + rank], pad_token_id)
+            state["round"] += 1
+            target_features, target_logits = features(batch, "train")
+            device = target_features.device
+            last_micro_step = micro_step == config.gradient_accumulation_steps - 1
+            with accelerator.no_sync(ttt) if not last_micro_step else nullcontext(), accelerator.autocast():
+                output = ttt(batch["input_ids"].to(device), target_features, target_logits, batch["loss_mask"].to(device))
+                accelerator.backward(output.loss / config.gradient_accumulation_steps)
+            step_tokens += batch["num_tokens"]
+            metrics = torch.stack([output.loss.detach().float(), *(output.step_correct / output.step_counts.clamp(min=1))])
+            step_metrics = metrics if step_metrics is None else step_metrics + metrics
+        accelerator.clip_grad_norm_(ttt.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["tokens"] += int(accelerator.reduce(step_tokens.to(accelerator.device), "sum"))
+        state["train_seconds"] += time.perf_counter() - started
+
+        step_metrics = accelerator.reduce(step_metrics.to(accelerator.device), "mean") / config.gradient_accumulation_steps
+        loss, accuracies = step_metrics[0].item(), step_metrics[1:].tolist()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies[:4]),
+                        tok_s=f"{state['tokens'] / state['train_seconds']:.0f}")
+        if state["step"] % config.log_every == 0 or state["step"] == total_steps:
+            state["history"].append({"step": state["step"], "train_loss": loss, "train_accuracy": accuracies,
+                                     "lr": scheduler.get_last_lr()[0], "tokens": state["tokens"],
+                                     "tokens_per_second": state["tokens"] / state["train_seconds"]})
+        if state["step"] % config.eval_every == 0 or state["step"] == total_steps:
+            summary = run_evaluation()
+            if summary:
+                state["history"].append({"step": state["step"], "eval": summary})
+                accelerator.print(
+                    f"step {state['step']}: held-out n-α {' '.join(f'{a:.2f}' for a in summary['alpha'])}, "
+                    f"chain τ {summary['chain_tau']:.2f}"
+                )
+        if accelerator.is_main_process and (state["step"] % config.save_every == 0 or state["step"] == total_steps):
+            save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, scheduler, state,
+                            config.keep_checkpoints)
+            (output_dir / "history.json").write_text(json.dumps(state["history"], indent=1))
+            plot_history(state["history"], output_dir / "training.png")
+        accelerator.wait_for_everyone()
+    bar.close()
+
+    draft = accelerator.unwrap_model(ttt).draft
+    if accelerator.is_main_process:
+        draft.save_pretrained(output_dir / "draft")
+    return draft
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="Train an EAGLE-3 draft with training-time test on data from `hf-eagle3 prepare-data`.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    defaults = TrainConfig(data="", output_dir="")
+    for field in fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name)
+        if field.name in ("data", "output_dir"):
+            parser.add_argument(flag, required=True)
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {int: int, float: float}.get(type(default), str)
+            if field.name in ("max_steps", "eval_batches", "threads", "intermediate_size"):
+                kind = int
+            parser.add_argument(flag, type=kind, default=default)
+    parser.add_argument("--resume", action="store_true", help="Continue from the latest checkpoint in --output-dir.")
+    parser.set_defaults(run=_run_cli)
+
+
+def _run_cli(args: argparse.Namespace) -> None:
+    config = TrainConfig(**{field.name: getattr(args, field.name) for field in fields(TrainConfig)})
+    if args.resume:
+        saved = json.loads((Path(config.output_dir) / "train_config.json").read_text())
+        if saved != asdict(config):
+            changed = {k: (saved[k], v) for k, v in asdict(config).items() if saved.get(k) != v}
+            raise ValueError(f"--resume with settings that differ from the run's train_config.json: {changed}.")
+    train(config, resume=args.resume)
+
+
+__all__ = [
+    "TargetFeatures",
+    "TrainConfig",
+    "acceptance_summary",
+    "build_draft",
+    "collate",
+    "draft_config_for",
+    "epoch_batches",
+    "evaluate",
+    "latest_checkpoint",
+    "plot_history",
+    "train",
+]
