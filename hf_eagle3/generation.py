@@ -93,19 +93,19 @@ def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, ge
             "EAGLE-3 decoding does not return attentions or hidden states: drop output_attentions / "
             "output_hidden_states, or generate without assistant_model."
         )
-    cache = model_kwargs.get("cache")
-    if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError(
-            f"EAGLE-3 decoding needs a plain DynamicCache on the target (full attention), got {type(cache).__name__}"
-            f"{' with ' + ', '.join(sorted({type(layer).__name__ for layer in cache.layers})) if cache else ''}: "
-            "drop cache_implementation / the cache argument."
-        )
     text_config = model.config.get_text_config()
     if getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True):
         raise ValueError(
             f"{type(model).__name__} uses sliding-window attention (sliding_window={text_config.sliding_window}), "
             "which a single tree-attention mask cannot express yet. Set config.sliding_window = None if your "
             "sequences never exceed the window."
+        )
+    cache = model_kwargs.get("cache")
+    if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(
+            f"EAGLE-3 decoding needs a plain DynamicCache on the target (full attention), got {type(cache).__name__}"
+            f"{' with ' + ', '.join(sorted({type(layer).__name__ for layer in cache.layers})) if cache else ''}: "
+            "drop cache_implementation / the cache argument."
         )
     if model.config._attn_implementation.startswith("flash_attention"):
         raise ValueError(
@@ -292,6 +292,8 @@ def eagle3_decoding(
             drafter.extend(new_tokens[None], features, accepted_positions[None])
         root_position += path.numel()
 
+    # A cycle cut short by a stop leaves cache entries past the last kept token: plain decoding has none of them.
+    cache.crop(min(0, input_ids.shape[1] - 1 - cache.get_seq_length()))
     if streamer is not None:
         streamer.end()
     stats.total_seconds = time.perf_counter() - start_time

@@ -16,6 +16,8 @@ from transformers import (
 import hf_eagle3  # noqa: F401  (installs the generate hooks)
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel
 
+torch.set_num_threads(1)  # tiny models: threads only add overhead, and the machine is shared
+
 VOCAB = 96
 HIDDEN = 32
 LAYERS = 8

@@ -1,0 +1,202 @@
+"""EAGLE-3 through `target.generate(assistant_model=draft)` on tiny random targets: lossless greedy decoding,
+`generate`'s behaviour (stopping, streaming, outputs, PEFT), statistics and clear errors."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import TARGET_FAMILIES, VOCAB, tiny_draft, tiny_target
+
+PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
+TREE = dict(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
+CHAIN = dict(tree_depth=4, tree_top_k=1)
+
+
+def _plain(target, prompt, **kwargs):
+    return target.generate(prompt, do_sample=False, **kwargs)
+
+
+def _eagle(target, draft, prompt, **kwargs):
+    return target.generate(prompt, do_sample=False, assistant_model=draft, **kwargs)
+
+
+@pytest.mark.parametrize("family", sorted(TARGET_FAMILIES))
+@pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])
+def test_greedy_equals_plain_decoding_on_every_family(family, shape):
+    target, draft = tiny_target(family), tiny_draft()
+    for prompt in PROMPTS:
+        expected = _plain(target, prompt, max_new_tokens=24)
+        assert torch.equal(_eagle(target, draft, prompt, max_new_tokens=24, **shape), expected)
+
+
+@pytest.mark.parametrize("shape", [TREE, CHAIN, dict(tree_depth=6, tree_top_k=4, tree_total_tokens=30)])
+def test_greedy_equals_plain_decoding_with_a_draft_that_accepts(llama_target, fitted_draft, shape):
+    for prompt in PROMPTS:
+        expected = _plain(llama_target, prompt, max_new_tokens=40)
+        assert torch.equal(_eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, **shape), expected)
+        assert fitted_draft.generation_stats.mean_acceptance_length > 1.0
+
+
+def test_eager_attention_target_is_lossless(fitted_draft):
+    target = tiny_target("llama", attn_implementation="eager")
+    prompt = PROMPTS[1]
+    assert torch.equal(_eagle(target, fitted_draft, prompt, max_new_tokens=30), _plain(target, prompt, max_new_tokens=30))
+
+
+def test_tree_emits_more_tokens_per_target_forward_than_a_chain_of_the_same_depth(llama_target, fitted_draft):
+    tau = {}
+    for name, shape in {"tree": dict(tree_top_k=4, tree_total_tokens=24), "chain": dict(tree_top_k=1)}.items():
+        lengths = []
+        for prompt in PROMPTS:
+            _eagle(llama_target, fitted_draft, prompt, max_new_tokens=48, tree_depth=5, **shape)
+            lengths += fitted_draft.generation_stats.acceptance_lengths
+        tau[name] = sum(lengths) / len(lengths)
+    assert tau["tree"] > tau["chain"] > 1.0, tau
+
+
+def test_left_padded_attention_mask_is_honoured(llama_target, fitted_draft):
+    prompt = torch.cat([torch.zeros(1, 4, dtype=torch.long), PROMPTS[1]], dim=1)
+    attention_mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(PROMPTS[1])], dim=1)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=30)
+    assert torch.equal(_eagle(llama_target, fitted_draft, prompt, **kwargs), _plain(llama_target, prompt, **kwargs))
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13])
+def test_max_new_tokens_is_exact(llama_target, fitted_draft, max_new_tokens):
+    prompt = PROMPTS[2]
+    out = _eagle(llama_target, fitted_draft, prompt, max_new_tokens=max_new_tokens)
+    assert out.shape[1] == prompt.shape[1] + max_new_tokens
+    assert torch.equal(out, _plain(llama_target, prompt, max_new_tokens=max_new_tokens))
+    assert _eagle(llama_target, fitted_draft, prompt, max_length=prompt.shape[1] + 7).shape[1] == prompt.shape[1] + 7
+
+
+def test_eos_stops_where_plain_decoding_stops(llama_target, fitted_draft):
+    prompt = PROMPTS[0]
+    continuation = _plain(llama_target, prompt, max_new_tokens=30)[0, prompt.shape[1] :].tolist()
+    for eos in ([continuation[11]], [continuation[20], continuation[6]]):
+        expected = _plain(llama_target, prompt, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+        out = _eagle(llama_target, fitted_draft, prompt, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(out, expected) and out.shape[1] < prompt.shape[1] + 30
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens += value.flatten().tolist()
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_the_same_tokens(llama_target, fitted_draft):
+    prompt = PROMPTS[1]
+    plain, ours = _Collect(), _Collect()
+    _plain(llama_target, prompt, max_new_tokens=25, streamer=plain)
+    _eagle(llama_target, fitted_draft, prompt, max_new_tokens=25, streamer=ours)
+    assert ours.tokens == plain.tokens and ours.ended
+
+
+def test_return_dict_outputs_match_plain_decoding(llama_target, fitted_draft):
+    prompt = PROMPTS[1]
+    kwargs = dict(max_new_tokens=20, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    plain = _plain(llama_target, prompt, **kwargs)
+    ours = _eagle(llama_target, fitted_draft, prompt, **kwargs)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert len(ours.scores) == len(plain.scores) == len(ours.logits) == 20
+    for mine, theirs in zip(ours.scores + ours.logits, plain.scores + plain.logits):
+        assert mine.shape == theirs.shape and torch.allclose(mine, theirs, atol=1e-4)
+    assert isinstance(ours.cache, DynamicCache) and ours.cache.get_seq_length() == plain.cache.get_seq_length()
+
+
+def test_logits_processors_shape_greedy_decoding_as_in_plain_decoding(llama_target, fitted_draft):
+    prompt = PROMPTS[2]
+    kwargs = dict(max_new_tokens=30, repetition_penalty=1.3, no_repeat_ngram_size=3)
+    assert torch.equal(_eagle(llama_target, fitted_draft, prompt, **kwargs), _plain(llama_target, prompt, **kwargs))
+
+
+def test_peft_adapted_target_is_lossless(fitted_draft):
+    from peft import LoraConfig, get_peft_model
+
+    target = get_peft_model(tiny_target("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(1)
+    for name, parameter in target.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(std=0.5)  # make the adapter change the target's outputs
+    prompt = PROMPTS[1]
+    expected = target.generate(input_ids=prompt, max_new_tokens=25, do_sample=False)
+    out = target.generate(input_ids=prompt, max_new_tokens=25, do_sample=False, assistant_model=fitted_draft)
+    assert torch.equal(out, expected)
+    with target.disable_adapter():
+        assert not torch.equal(target.generate(input_ids=prompt, max_new_tokens=25, do_sample=False), expected)
+
+
+def test_statistics_describe_the_call(llama_target, fitted_draft):
+    prompt = PROMPTS[0]
+    out = _eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, **TREE)
+    stats = fitted_draft.generation_stats
+    assert stats.settings.depth == 4 and stats.settings.top_k == 3 and stats.settings.total_tokens == 12
+    # the prefill emits the first token; each cycle emits its acceptance length (the last one possibly cut)
+    assert 1 + sum(stats.acceptance_lengths) >= out.shape[1] - prompt.shape[1] > sum(stats.acceptance_lengths[:-1])
+    assert stats.num_cycles == len(stats.acceptance_lengths) > 0
+    assert min(stats.draft_seconds, stats.verify_seconds, stats.other_seconds, stats.prefill_seconds) > 0
+
+
+def test_defaults_come_from_the_draft_config(llama_target):
+    draft = tiny_draft(tree_depth=3, tree_top_k=2, tree_total_tokens=5)
+    _eagle(llama_target, draft, PROMPTS[0], max_new_tokens=5)
+    assert (draft.generation_stats.settings.depth, draft.generation_stats.settings.total_tokens) == (3, 5)
+
+
+def test_other_assistants_and_prompt_lookup_are_untouched(llama_target):
+    prompt = PROMPTS[2]
+    expected = _plain(llama_target, prompt, max_new_tokens=20)
+    assert torch.equal(_plain(llama_target, prompt, max_new_tokens=20, prompt_lookup_num_tokens=3), expected)
+    assistant = tiny_target("llama", seed=3)
+    assert torch.equal(_plain(llama_target, prompt, max_new_tokens=20, assistant_model=assistant), expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_beams=2), "greedy decoding and sampling"),
+        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "attentions"),
+        (dict(tree_top_k=0), "tree_top_k"),
+        (dict(prompt_lookup_num_tokens=3), "prompt_lookup"),
+    ],
+)
+def test_unsupported_settings_raise(llama_target, kwargs, message):
+    kwargs = dict(do_sample=False, max_new_tokens=5) | kwargs
+    with pytest.raises(ValueError, match=message):
+        llama_target.generate(PROMPTS[0], assistant_model=tiny_draft(), **kwargs)
+
+
+def test_batches_raise(llama_target):
+    with pytest.raises(ValueError, match="batch size 1"):
+        _eagle(llama_target, tiny_draft(), torch.randint(1, VOCAB, (2, 5)), max_new_tokens=5)
+
+
+def test_static_cache_raises(llama_target):
+    cache = StaticCache(config=llama_target.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="DynamicCache"):
+        _eagle(llama_target, tiny_draft(), PROMPTS[0], max_new_tokens=5, cache=cache)
+
+
+def test_sliding_window_target_raises():
+    target = tiny_target("mistral")
+    target.config.sliding_window = 16
+    with pytest.raises(ValueError, match="sliding-window"):
+        _eagle(target, tiny_draft(), PROMPTS[0], max_new_tokens=5)
+
+
+def test_a_draft_for_another_target_raises(llama_target):
+    with pytest.raises(ValueError, match="does not fit the target"):
+        _eagle(llama_target, tiny_draft(target_layer_ids=[2, 4, 30]), PROMPTS[0], max_new_tokens=5)
+
+
+def test_tree_settings_without_an_eagle3_assistant_raise(llama_target):
+    with pytest.raises(TypeError, match="Eagle3DraftModel"):
+        _plain(llama_target, PROMPTS[0], max_new_tokens=5, tree_depth=3)

@@ -1,0 +1,79 @@
+"""Pure tensor tests of the acceptance rules (no models)."""
+
+import torch
+
+from hf_eagle3.tree import ancestor_matrix, DraftTree
+from hf_eagle3.verify import accept_among_children, accept_sampled, children, greedy_accept
+
+
+def _tree(tokens, parents, depths):
+    parents = torch.tensor(parents)
+    return DraftTree(torch.tensor(tokens), parents, torch.tensor(depths), ancestor_matrix(parents, max(depths)),
+                     torch.arange(len(tokens) - 1))
+
+
+#   0(root 5) -> 1(7) -> 3(9) -> 5(4)
+#             -> 2(8) -> 4(9)
+TREE = _tree([5, 7, 8, 9, 9, 4], [0, 0, 0, 1, 2, 3], [0, 1, 1, 2, 2, 3])
+
+
+def test_greedy_accepts_the_longest_matching_path():
+    # target's greedy token after each node
+    choices = torch.tensor([7, 9, 9, 4, 1, 6])
+    path = greedy_accept(TREE, choices)
+    assert path.tolist() == [0, 1, 3, 5] and choices[path[-1]] == 6
+
+
+def test_greedy_stops_at_the_first_mismatch_and_takes_the_targets_token():
+    choices = torch.tensor([8, 3, 2, 4, 1, 6])
+    path = greedy_accept(TREE, choices)
+    assert path.tolist() == [0, 2] and choices[path[-1]] == 2
+
+
+def test_greedy_rejects_everything_when_no_child_matches():
+    path = greedy_accept(TREE, torch.tensor([3, 9, 9, 4, 1, 6]))
+    assert path.tolist() == [0]
+
+
+def test_children_in_drafting_order():
+    assert children(TREE, 0).tolist() == [1, 2]
+    assert children(TREE, 5).tolist() == []
+
+
+def _empirical(sample, draws: int, size: int) -> torch.Tensor:
+    counts = torch.zeros(size)
+    for _ in range(draws):
+        counts[sample()] += 1
+    return counts / draws
+
+
+def test_trying_deterministic_candidates_in_order_is_lossless():
+    torch.manual_seed(0)
+    target = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    candidates = torch.tensor([3, 1, 4])
+
+    def sample():
+        index, residual = accept_among_children(target, candidates, torch.rand(3))
+        return candidates[index] if index >= 0 else torch.multinomial(residual, 1)
+
+    draws = 40_000  # standard error of each frequency <= 0.0025; bound 4 sigma
+    assert (_empirical(sample, draws, 5) - target).abs().max() < 0.01
+
+
+def test_standard_rule_for_a_sampled_token_is_lossless():
+    torch.manual_seed(0)
+    target = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    draft = torch.tensor([0.3, 0.1, 0.2, 0.2, 0.2])
+
+    def sample():
+        token = int(torch.multinomial(draft, 1))
+        accepted, residual = accept_sampled(target, draft, token, float(torch.rand(())))
+        return token if accepted else torch.multinomial(residual, 1)
+
+    assert (_empirical(sample, 40_000, 5) - target).abs().max() < 0.01
+
+
+def test_rejection_of_every_candidate_holding_all_mass_falls_back_to_the_target():
+    target = torch.tensor([0.0, 1.0, 0.0])
+    index, residual = accept_among_children(target, torch.tensor([1]), torch.tensor([1.0]))
+    assert index == -1 and torch.equal(residual, target)
