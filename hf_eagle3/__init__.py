@@ -15,6 +15,9 @@ check_transformers_version()
 
 AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
 AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
+# Saved drafts carry `auto_map` and this modeling code, so they also load where hf_eagle3 is not installed.
+Eagle3Config.register_for_auto_class()
+Eagle3DraftModel.register_for_auto_class("AutoModel")
 install()
 
 __version__ = "0.1.0"

@@ -6,6 +6,8 @@ import importlib
 # Modules that define `register_cli(subparsers)`; each adds one sub-command whose handler is `args.run(args)`.
 COMMAND_MODULES = [
     "hf_eagle3.demo",
+    "conversion.cli",
+    "hf_eagle3.hub",
 ]
 
 

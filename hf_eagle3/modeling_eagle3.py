@@ -198,6 +198,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             )
         return (model, loading_info) if output_loading_info else model
 
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload the draft with a generated model card (target, usage, measured results): `hf_eagle3.hub.push_draft`."""
+        # hf_eagle3 is not part of the remote code saved with the draft: inside `try`, transformers' import check of
+        # remote code skips this import.
+        try:
+            from hf_eagle3.hub import push_draft
+        except ImportError as error:
+            raise ImportError("Pushing an EAGLE-3 draft with its model card needs `pip install hf-eagle3`.") from error
+        return push_draft(self, repo_id, **kwargs)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 

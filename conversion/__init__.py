@@ -1,0 +1,33 @@
+"""Conversion of EAGLE-3 draft checkpoints between hf-eagle3's Hub format and the formats of other projects.
+
+Every format is read into one [`DraftCheckpoint`] (our config and weight names, validated once) and written from it:
+
+| format | project | import | export |
+|---|---|---|---|
+| `hub` | hf-eagle3 (`Eagle3DraftModel.save_pretrained`) | yes | yes |
+| `official` | SafeAILab/EAGLE EAGLE-3 | yes | no |
+| `sglang` | SpecForge / SGLang `LlamaForCausalLMEagle3` | yes | yes |
+| `speculators` | vLLM / speculators `Eagle3Speculator` | yes | yes |
+| `modelopt` | NVIDIA ModelOpt | yes | no |
+
+```python
+>>> from conversion import TargetInfo, convert
+>>> convert("EAGLE3-LLaMA3.1-Instruct-8B", "draft", target=TargetInfo(num_hidden_layers=32))  # doctest: +SKIP
+```
+The command line is `hf-eagle3 convert SRC DST [--from FORMAT] [--to FORMAT]`.
+"""
+
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, TargetInfo
+from .convert import EXPORT_FORMATS, FORMATS, convert, read_checkpoint, write_checkpoint
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "FORMATS",
+    "CheckpointFormat",
+    "ConversionError",
+    "DraftCheckpoint",
+    "TargetInfo",
+    "convert",
+    "read_checkpoint",
+    "write_checkpoint",
+]

@@ -1,0 +1,96 @@
+"""Reading, writing and converting EAGLE-3 drafts in any known format, through one `DraftCheckpoint`."""
+
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+
+from . import hub, modelopt, official, sglang, speculators
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, TargetInfo
+from .files import load_source
+
+FORMATS: dict[str, CheckpointFormat] = {
+    checkpoint_format.name: checkpoint_format
+    for checkpoint_format in (hub.FORMAT, official.FORMAT, sglang.FORMAT, speculators.FORMAT, modelopt.FORMAT)
+}
+EXPORT_FORMATS = tuple(name for name, checkpoint_format in FORMATS.items() if checkpoint_format.write is not None)
+
+
+def read_checkpoint(
+    source: str | Path, format_name: str | None = None, target: TargetInfo | None = None
+) -> tuple[DraftCheckpoint, str]:
+    """Read and validate the draft at `source` (a folder or a Hub repo id); return it and its format's name.
+
+    Without `format_name` the format is detected from the files, and a `ConversionError` lists the candidates when
+    they do not settle it.
+    """
+    files = load_source(_local_folder(source))
+    if format_name is None:
+        candidates = [name for name, checkpoint_format in FORMATS.items() if checkpoint_format.detect(files)]
+        if len(candidates) != 1:
+            found = f"could be any of {', '.join(candidates)}" if candidates else "matches no known format"
+            choices = "; ".join(f"{name} ({FORMATS[name].description})" for name in candidates or FORMATS)
+            raise ConversionError(f"{source} {found}. Pass --from (from_format=) with one of: {choices}.")
+        format_name = candidates[0]
+    return _format(format_name).read(files, target or TargetInfo()), format_name
+
+
+def write_checkpoint(checkpoint: DraftCheckpoint, destination: str | Path, format_name: str = "hub") -> None:
+    """Write `checkpoint` as a new folder `destination`, in full or not at all."""
+    write = _format(format_name).write
+    if write is None:
+        raise ConversionError(f"{format_name} is an import-only format; export to one of {', '.join(EXPORT_FORMATS)}.")
+    destination = Path(destination).absolute()
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise ConversionError(f"{destination} already exists; choose a new folder.")
+    # Staged next to the destination's nearest existing ancestor, so the final move is one rename.
+    anchor = next(folder for folder in destination.parents if folder.exists())
+    with tempfile.TemporaryDirectory(dir=anchor, prefix=".hf-eagle3-convert-") as staging:
+        staged = Path(staging) / destination.name
+        staged.mkdir()
+        write(checkpoint, staged)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        staged.replace(destination)
+
+
+def convert(
+    source: str | Path,
+    destination: str | Path,
+    *,
+    from_format: str | None = None,
+    to_format: str = "hub",
+    target: TargetInfo | None = None,
+    share_target_embedding: bool = False,
+) -> tuple[DraftCheckpoint, str]:
+    """Convert the draft at `source` into a new folder `destination`; return the checkpoint and the source format.
+
+    `share_target_embedding=True` states that the checkpoint's own `embed_tokens` is the target's input embedding:
+    it is dropped and the draft shares the target's at run time. Nothing is written when anything fails.
+    """
+    checkpoint, source_format = read_checkpoint(source, from_format, target)
+    if share_target_embedding:
+        checkpoint = checkpoint.sharing_target_embedding()
+    write_checkpoint(checkpoint, destination, to_format)
+    return checkpoint, source_format
+
+
+def _format(name: str) -> CheckpointFormat:
+    if name not in FORMATS:
+        raise ConversionError(f"Unknown checkpoint format {name!r}; known formats: {', '.join(FORMATS)}.")
+    return FORMATS[name]
+
+
+def _local_folder(source: str | Path) -> Path:
+    """`source` itself when it is a folder; otherwise the Hub repo it names, from the cache or downloaded."""
+    folder = Path(source)
+    if folder.is_dir():
+        return folder
+    if isinstance(source, Path) or str(source).count("/") != 1 or str(source).startswith((".", "/")):
+        raise ConversionError(f"{source} is not a folder (nor a Hub repo id of the form org/name).")
+    try:
+        return Path(snapshot_download(str(source)))
+    except (EntryNotFoundError, HfHubHTTPError) as error:
+        raise ConversionError(
+            f"{source} is not a folder, and no Hub repo of that name could be fetched: {error}"
+        ) from error

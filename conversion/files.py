@@ -1,0 +1,68 @@
+"""Checkpoint folders on disk: `config.json` plus safetensors or `.bin` weights, single-file or sharded."""
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .checkpoint import ConversionError, SourceFiles
+
+# Weight files in the order transformers prefers them; an index lists the shards of a sharded checkpoint.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def load_source(folder: Path) -> SourceFiles:
+    """Read `folder`'s `config.json` and all its tensors (`.bin` files are loaded with `weights_only=True`)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{folder} has no config.json; point at the folder of a saved draft checkpoint.")
+    return SourceFiles(path=folder, config=read_json(config_file), tensors=_load_weights(folder))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConversionError(f"Cannot read {path}: {error}") from error
+
+
+def write_checkpoint_files(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Write `config.json` and `model.safetensors` the way `save_pretrained` names them."""
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if name.endswith(".index.json"):
+            shards = sorted(set(read_json(path)["weight_map"].values()))
+            return {key: tensor for shard in shards for key, tensor in _load_weight_file(folder / shard).items()}
+        return _load_weight_file(path)
+    raise ConversionError(f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}.")
+
+
+def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ConversionError(
+            f"{path} holds objects other than tensors, which loading with weights_only=True refuses to unpickle: "
+            f"{str(error).splitlines()[0]}"
+        ) from error
+    not_tensors = sorted(key for key, value in state.items() if not isinstance(value, torch.Tensor))
+    if not_tensors:
+        raise ConversionError(f"{path} is not a plain state dict: {not_tensors} are not tensors.")
+    return state

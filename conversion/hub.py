@@ -1,0 +1,33 @@
+"""Our Hub format: what `Eagle3DraftModel.save_pretrained` writes (config with `model_type: "eagle3"` and `auto_map`,
+`model.safetensors` under our weight names, and the modeling code for `trust_remote_code`)."""
+
+from pathlib import Path
+
+from hf_eagle3 import Eagle3Config
+
+from .checkpoint import CheckpointFormat, DraftCheckpoint, SourceFiles, TargetInfo, meta_model
+
+
+def detect(source: SourceFiles) -> bool:
+    return source.config.get("model_type") == Eagle3Config.model_type
+
+
+def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+    fields = {name: value for name, value in source.config.items() if name in Eagle3Config.__annotations__}
+    return DraftCheckpoint.build(fields, source.tensors, target)
+
+
+def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
+    # The weights are assigned, not copied, into a storage-less model, whose save_pretrained writes them as they are.
+    model = meta_model(checkpoint.config).to(checkpoint.dtype)
+    model.load_state_dict(checkpoint.tensors, strict=False, assign=True)
+    model.save_pretrained(folder)
+
+
+FORMAT = CheckpointFormat(
+    name="hub",
+    description="hf-eagle3 (Eagle3DraftModel.save_pretrained; loads with AutoModel and trust_remote_code)",
+    detect=detect,
+    read=read,
+    write=write,
+)

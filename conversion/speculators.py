@@ -1,0 +1,96 @@
+"""vLLM / vllm-project/speculators drafts (`Eagle3Speculator`); import and export.
+
+Weights: `layers.0.*` for the decoder layer, `fc`, `norm`, `lm_head`, `d2t`, `t2d` (vLLM only reduces the vocabulary
+when `t2d` is present) and an optional `embed_tokens`. The config nests the decoder layer's Llama config in
+`transformer_layer_config` (speculators writes only its non-default fields), keeps `draft_vocab_size`,
+`target_hidden_size`, `norm_before_residual` and `eagle_aux_hidden_state_layer_ids` (our `hidden_states` indices)
+at the top level, and names the target under `speculators_config.verifier`. The first proposal method's
+`speculative_tokens` is vLLM's default number of drafted tokens; it maps to our `tree_depth`.
+"""
+
+from pathlib import Path
+
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, SourceFiles, TargetInfo, rename_prefix
+from .fields import draft_fields, dtype_name, llama_fields, refuse_unfaithful
+from .files import write_checkpoint_files
+
+LAYER_PREFIX = "layers.0."
+
+UNFAITHFUL_SETTINGS = {
+    "norm_before_residual": (True, "the residual stream taken after hidden_norm"),
+    "norm_before_fc": (True, "an RMSNorm over the concatenated target features before fc"),
+    "norm_output": (True, "the normed state fed back to the next draft step"),
+}
+
+
+def detect(source: SourceFiles) -> bool:
+    return source.config.get("speculators_model_type") == "eagle3"
+
+
+def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+    config = source.config
+    layer_config = config.get("transformer_layer_config") or {}
+    if layer_config.get("model_type", "llama") != "llama":
+        raise ConversionError(
+            f"transformer_layer_config is a {layer_config['model_type']!r} layer; Eagle3DraftModel has a Llama "
+            "layer only (e.g. Qwen3 layers add per-head q/k norms), so the draft cannot be converted faithfully."
+        )
+    if "norm_before_residual" not in config:
+        raise ConversionError(
+            "config.json has no norm_before_residual: speculators reads a missing value as false and vLLM as true, "
+            "so what the draft computes is ambiguous. Add the key with the value the draft was trained with."
+        )
+    refuse_unfaithful("speculators", config, UNFAITHFUL_SETTINGS)
+    speculators_config = config.get("speculators_config") or {}
+    fields = draft_fields(layer_config, config)
+    fields["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
+    fields["target_name_or_path"] = (speculators_config.get("verifier") or {}).get("name_or_path") or None
+    speculative_tokens = _default_proposal_method(speculators_config).get("speculative_tokens")
+    if speculative_tokens is not None:
+        fields["tree_depth"] = speculative_tokens
+    return DraftCheckpoint.build(fields, rename_prefix(source.tensors, LAYER_PREFIX, "midlayer."), target)
+
+
+def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
+    config = checkpoint.config
+    speculators_config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {"model_type": "llama", **llama_fields(config)},
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        # Written explicitly: vLLM reads a missing value as true.
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": config.target_layer_ids,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": config.tree_depth,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": config.target_name_or_path, "architectures": []},
+        },
+        "torch_dtype": dtype_name(checkpoint.dtype),
+    }
+    write_checkpoint_files(folder, speculators_config, rename_prefix(checkpoint.tensors, "midlayer.", LAYER_PREFIX))
+
+
+def _default_proposal_method(speculators_config: dict) -> dict:
+    """The proposal method named by `default_proposal_method`, else the first one listed."""
+    methods = speculators_config.get("proposal_methods") or [{}]
+    default = speculators_config.get("default_proposal_method")
+    return next((method for method in methods if method.get("proposal_type") == default), methods[0])
+
+
+FORMAT = CheckpointFormat(
+    name="speculators",
+    description="vLLM speculators Eagle3Speculator (layers.0.* weights, hidden_states target ids)",
+    detect=detect,
+    read=read,
+    write=write,
+)

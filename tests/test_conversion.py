@@ -1,0 +1,657 @@
+"""Checkpoint conversion: every foreign format imports exactly, exports round-trip bit for bit, bad input writes nothing.
+
+Each fixture is written the way its project writes it (key names, config fields, dtypes, file type), and each
+converted draft is checked against a reference forward written here from the format's semantics, in plain torch.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from conversion import ConversionError, TargetInfo, convert
+from hf_eagle3 import Eagle3DraftModel, cli
+
+from conftest import tiny_draft
+
+VOCAB = 160  # target vocabulary V
+DRAFT_VOCAB = 48  # reduced draft vocabulary Vd
+HIDDEN = 32  # draft hidden size k
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+INTERMEDIATE = 64
+TARGET_LAYERS = 12  # N
+DEFAULT_TAPS = [2, TARGET_LAYERS // 2, TARGET_LAYERS - 3]  # hidden_states indices
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass
+class Fixture:
+    """A foreign checkpoint as written to disk, and what its format says it computes."""
+
+    tensors: dict[str, torch.Tensor]  # exactly what was saved, under the format's names
+    layer_prefix: str  # "midlayer." or "layers.0."
+    draft_to_target: torch.Tensor  # target id of each lm_head row, in the format's order
+    rms_norm_eps: float
+    inv_freq: torch.Tensor  # RoPE frequencies, [HEAD_DIM // 2]
+    target_hidden: int
+    expected_layer_ids: list[int]
+    target: TargetInfo = field(default_factory=TargetInfo)
+
+
+# --- fixtures, written as each project writes them -------------------------------------------------------------
+
+
+def eagle3_weights(layer_prefix: str, target_hidden: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Random weights of one EAGLE-3 draft under the official key names, decoder layer under `layer_prefix`."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def linear(rows, columns):
+        return (torch.randn(rows, columns, generator=generator) / math.sqrt(columns)).to(dtype)
+
+    def norm():
+        return (1 + 0.1 * torch.randn(HIDDEN, generator=generator)).to(dtype)
+
+    layer = {
+        "self_attn.q_proj.weight": linear(HEADS * HEAD_DIM, 2 * HIDDEN),
+        "self_attn.k_proj.weight": linear(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
+        "self_attn.v_proj.weight": linear(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
+        "self_attn.o_proj.weight": linear(HIDDEN, HEADS * HEAD_DIM),
+        "mlp.gate_proj.weight": linear(INTERMEDIATE, HIDDEN),
+        "mlp.up_proj.weight": linear(INTERMEDIATE, HIDDEN),
+        "mlp.down_proj.weight": linear(HIDDEN, INTERMEDIATE),
+        "hidden_norm.weight": norm(),
+        "input_layernorm.weight": norm(),
+        "post_attention_layernorm.weight": norm(),
+    }
+    return {
+        **{layer_prefix + name: tensor for name, tensor in layer.items()},
+        "norm.weight": norm(),
+        "fc.weight": linear(HIDDEN, 3 * target_hidden),
+        "lm_head.weight": linear(DRAFT_VOCAB, HIDDEN),
+    }
+
+
+def sorted_vocabulary(seed: int = 1) -> torch.Tensor:
+    """Draft vocabulary as EAGLE, SpecForge and speculators list it: ascending target ids."""
+    return torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB].sort().values
+
+
+def mapping_buffers(draft_to_target: torch.Tensor) -> dict[str, torch.Tensor]:
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[draft_to_target] = True
+    return {"d2t": draft_to_target - torch.arange(DRAFT_VOCAB), "t2d": t2d}
+
+
+def rope_frequencies(base: float) -> torch.Tensor:
+    return 1.0 / base ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+
+
+def llama3_frequencies(base: float, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings, **_):
+    """Llama 3.1's RoPE scaling, one frequency at a time as in Meta's reference code."""
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    scaled = []
+    for frequency in rope_frequencies(base).tolist():
+        wavelen = 2 * math.pi / frequency
+        if wavelen < high_freq_wavelen:
+            scaled.append(frequency)
+        elif wavelen > low_freq_wavelen:
+            scaled.append(frequency / factor)
+        else:
+            smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            scaled.append((1 - smooth) * frequency / factor + smooth * frequency)
+    return torch.tensor(scaled, dtype=torch.float64)
+
+
+def llama_config(**fields) -> dict:
+    return {
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB,
+        "hidden_act": "silu",
+        **fields,
+    }
+
+
+def eagle3_llama_config(**fields) -> dict:
+    """The fields SpecForge and ModelOpt both write for a `LlamaForCausalLMEagle3` draft."""
+    return llama_config(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        num_hidden_layers=1,
+        head_dim=HEAD_DIM,
+        draft_vocab_size=DRAFT_VOCAB,
+        tie_word_embeddings=False,
+        **fields,
+    )
+
+
+def write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2))
+
+
+def official_fixture(folder: Path) -> Fixture:
+    """SafeAILab/EAGLE: DeepSpeed fp16 `pytorch_model.bin`, no embedding, no rope_theta, misstated layer count."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {**eagle3_weights("midlayer.", HIDDEN, torch.float16), **mapping_buffers(draft_to_target)}
+    torch.save(tensors, folder / "pytorch_model.bin")
+    write_json(
+        folder / "config.json",
+        llama_config(
+            architectures=["LlamaForCausalLM"],
+            model_type="llama",
+            num_hidden_layers=40,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            draft_vocab_size=DRAFT_VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            initializer_range=0.02,
+            tie_word_embeddings=False,
+            torch_dtype="float16",
+            transformers_version="4.28.1",
+            use_cache=True,
+        ),
+    )
+    return Fixture(
+        tensors, "midlayer.", draft_to_target, 1e-5, rope_frequencies(10000.0), HIDDEN, DEFAULT_TAPS,
+        target=TargetInfo(num_hidden_layers=TARGET_LAYERS),
+    )  # fmt: skip
+
+
+def sglang_fixture(folder: Path) -> Fixture:
+    """SpecForge `save_pretrained`: bf16 safetensors with its own embedding, a wider target, output-of-layer ids."""
+    target_hidden = 48
+    draft_to_target = sorted_vocabulary()
+    generator = torch.Generator().manual_seed(2)
+    tensors = {
+        **eagle3_weights("midlayer.", target_hidden, torch.bfloat16),
+        **mapping_buffers(draft_to_target),
+        "embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=generator).to(torch.bfloat16),
+    }
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(
+        folder / "config.json",
+        eagle3_llama_config(
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=None,
+            attention_bias=False,
+            mlp_bias=False,
+            target_hidden_size=target_hidden,
+            target_model_type="llama",
+            torch_dtype="bfloat16",
+            eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 5, 8], "use_aux_hidden_state": True},
+        ),
+    )
+    return Fixture(tensors, "midlayer.", draft_to_target, 1e-5, rope_frequencies(500000.0), target_hidden, [2, 6, 9])
+
+
+def speculators_fixture(folder: Path) -> Fixture:
+    """speculators: fp32, `layers.0.*`, HF-index ids, a layer config holding only non-default fields."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {**eagle3_weights("layers.0.", HIDDEN, torch.float32), **mapping_buffers(draft_to_target)}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(
+        folder / "config.json",
+        {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.2.0",
+            # `to_diff_dict()`: rms_norm_eps (LlamaConfig default 1e-6) and max_position_embeddings are left out.
+            "transformer_layer_config": llama_config(model_type="llama", num_hidden_layers=1, rope_theta=1e6),
+            "draft_vocab_size": DRAFT_VOCAB,
+            "norm_before_residual": False,
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": [2, 6, 9],
+            "embed_requires_grad": False,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0}
+                ],
+                "verifier": {"name_or_path": "org/target-llama", "architectures": ["LlamaForCausalLM"]},
+            },
+            "torch_dtype": "float32",
+        },
+    )
+    return Fixture(tensors, "layers.0.", draft_to_target, 1e-6, rope_frequencies(1e6), HIDDEN, [2, 6, 9])
+
+
+def modelopt_fixture(folder: Path) -> Fixture:
+    """ModelOpt: bf16, `layers.0.*`, d2t by token frequency (negative offsets), no t2d, llama3 RoPE, unsorted ids."""
+    draft_to_target = sorted_vocabulary()[torch.randperm(DRAFT_VOCAB, generator=torch.Generator().manual_seed(3))]
+    tensors = {
+        **eagle3_weights("layers.0.", HIDDEN, torch.bfloat16),
+        "d2t": draft_to_target - torch.arange(DRAFT_VOCAB),
+    }
+    assert (tensors["d2t"] < 0).any()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(
+        folder / "config.json",
+        eagle3_llama_config(
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=LLAMA3_SCALING,
+            torch_dtype="bfloat16",
+            eagle_config={
+                "eagle_aux_hidden_state_layer_ids": [8, 1, 5],
+                "use_aux_hidden_state": True,
+                "use_input_layernorm_in_first_layer": True,
+                "use_last_layernorm": True,
+                "use_mtp_layernorm": False,
+                "next_layer_regular": True,
+                "parallel_draft_step": 1,
+                "parallel_draft_heads_num_layers": 1,
+            },
+        ),
+    )
+    return Fixture(
+        tensors, "layers.0.", draft_to_target, 1e-5, llama3_frequencies(500000.0, **LLAMA3_SCALING), HIDDEN,
+        [2, 6, 9],
+    )  # fmt: skip
+
+
+FIXTURES = {
+    "official": official_fixture,
+    "sglang": sglang_fixture,
+    "speculators": speculators_fixture,
+    "modelopt": modelopt_fixture,
+}
+
+
+# --- the reference forward, from the formats' shared semantics -------------------------------------------------
+
+
+def reference_logits(fixture: Fixture, embedding: torch.Tensor, input_ids, features, positions) -> torch.Tensor:
+    """One EAGLE-3 draft step on target features, in float32: logits over the draft vocabulary, format order."""
+    weights = {name: tensor.float() for name, tensor in fixture.tensors.items()}
+    layer = {
+        name.removeprefix(fixture.layer_prefix): t
+        for name, t in weights.items()
+        if name.startswith(fixture.layer_prefix)
+    }
+
+    def rms_norm(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + fixture.rms_norm_eps)
+
+    def heads(x, projection, count):
+        return (x @ layer[projection].T).view(*x.shape[:2], count, HEAD_DIM).transpose(1, 2)
+
+    def rotate(x):  # rotate-half RoPE, [B, heads, T, D]
+        angles = positions[:, None].double() * fixture.inv_freq[None, :]
+        cos, sin = torch.cat([angles, angles], -1).cos().float(), torch.cat([angles, angles], -1).sin().float()
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+    fused = features @ weights["fc.weight"].T
+    attn_in = torch.cat(
+        [rms_norm(embedding[input_ids], layer["input_layernorm.weight"]), rms_norm(fused, layer["hidden_norm.weight"])],
+        -1,
+    )
+    query = rotate(heads(attn_in, "self_attn.q_proj.weight", HEADS))
+    key = rotate(heads(attn_in, "self_attn.k_proj.weight", KV_HEADS)).repeat_interleave(HEADS // KV_HEADS, dim=1)
+    value = heads(attn_in, "self_attn.v_proj.weight", KV_HEADS).repeat_interleave(HEADS // KV_HEADS, dim=1)
+    length = input_ids.shape[1]
+    scores = query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM)
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(*input_ids.shape, HEADS * HEAD_DIM)
+    hidden = fused + attended @ layer["self_attn.o_proj.weight"].T
+    normed = rms_norm(hidden, layer["post_attention_layernorm.weight"])
+    mlp = nn.functional.silu(normed @ layer["mlp.gate_proj.weight"].T) * (normed @ layer["mlp.up_proj.weight"].T)
+    hidden = hidden + mlp @ layer["mlp.down_proj.weight"].T
+    return rms_norm(hidden, weights["norm.weight"]) @ weights["lm_head.weight"].T
+
+
+def over_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """Draft logits placed at their target ids; NaN where the draft has no entry."""
+    full = torch.full((*logits.shape[:-1], VOCAB), float("nan"))
+    full[..., draft_to_target] = logits
+    return full
+
+
+# --- imports -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("format_name", list(FIXTURES))
+def test_foreign_checkpoint_converts_exactly(tmp_path, format_name):
+    source, destination = tmp_path / format_name, tmp_path / "hub"
+    source.mkdir()
+    fixture = FIXTURES[format_name](source)
+
+    _, detected = convert(source, destination, target=fixture.target)
+
+    assert detected == format_name
+    # Every saved weight lands, unchanged and in its dtype; nothing is left over or invented.
+    converted = load_file(destination / "model.safetensors")
+    renamed = {name.replace(fixture.layer_prefix, "midlayer.", 1): t for name, t in fixture.tensors.items()}
+    assert converted.keys() - {"d2t", "t2d"} == renamed.keys() - {"d2t", "t2d"}
+    order = fixture.draft_to_target.argsort()
+    for name, tensor in converted.items():
+        expected = {
+            "d2t": fixture.draft_to_target[order] - torch.arange(DRAFT_VOCAB),
+            "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, fixture.draft_to_target, True),
+            "lm_head.weight": renamed["lm_head.weight"][order],
+        }.get(name, renamed.get(name))
+        assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
+
+    draft = Eagle3DraftModel.from_pretrained(destination, dtype=torch.float32).eval()
+    assert draft.config.target_layer_ids == fixture.expected_layer_ids
+    generator = torch.Generator().manual_seed(4)
+    embedding = renamed.get("embed_tokens.weight", torch.randn(VOCAB, HIDDEN, generator=generator)).float()
+    if draft.config.share_target_embedding:
+        draft.attach_target_embedding(nn.Embedding.from_pretrained(embedding))
+    input_ids = torch.randint(VOCAB, (2, 7), generator=generator)
+    features = torch.randn(2, 7, 3 * fixture.target_hidden, generator=generator)
+    positions = torch.arange(1000, 1007)  # far out, where the RoPE base and scaling matter
+    with torch.no_grad():
+        logits = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False).logits
+    expected = reference_logits(fixture, embedding, input_ids, features, positions)
+
+    torch.testing.assert_close(
+        over_target_vocabulary(logits, draft.draft_to_target),
+        over_target_vocabulary(expected, fixture.draft_to_target),
+        rtol=0,
+        atol=1e-5,
+        equal_nan=True,
+    )
+
+
+def test_older_modelopt_export_with_midlayer_names_is_still_modelopt(tmp_path):
+    fixture = modelopt_fixture(tmp_path)
+    save_file(
+        {name.replace("layers.0.", "midlayer."): tensor for name, tensor in fixture.tensors.items()},
+        tmp_path / "model.safetensors",
+    )
+    checkpoint, detected = convert(tmp_path, tmp_path / "hub")
+    assert detected == "modelopt" and checkpoint.config.target_layer_ids == [2, 6, 9]
+
+
+def test_speculators_records_target_and_speculative_tokens(tmp_path):
+    speculators_fixture(tmp_path)
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub")
+    assert checkpoint.config.target_name_or_path == "org/target-llama"
+    assert checkpoint.config.tree_depth == 3
+    assert checkpoint.config.rms_norm_eps == 1e-6  # LlamaConfig's default, as speculators reads it
+
+
+# --- exports ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("export_format", ["sglang", "speculators"])
+def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, dtype):
+    draft = tiny_draft(
+        draft_vocab_size=40,
+        target_name_or_path="org/target",
+        rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING, "original_max_position_embeddings": 256},
+    ).to(dtype)
+    draft.save_pretrained(tmp_path / "hub")
+
+    convert(tmp_path / "hub", tmp_path / export_format, to_format=export_format)
+    convert(tmp_path / export_format, tmp_path / "back")
+
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (
+        tmp_path / "hub" / "model.safetensors"
+    ).read_bytes()
+    original, back = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("hub", "back"))
+    not_carried = {"target_num_hidden_layers", "tree_top_k", "tree_total_tokens"} | (
+        {"target_name_or_path", "tree_depth"} if export_format == "sglang" else set()
+    )
+    assert {k: v for k, v in back.items() if k not in not_carried} == {
+        k: v for k, v in original.items() if k not in not_carried
+    }
+
+
+def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
+    tiny_draft(draft_vocab_size=40, share_target_embedding=False).save_pretrained(tmp_path / "hub")
+    convert(tmp_path / "hub", tmp_path / "speculators", to_format="speculators")
+    assert "embed_tokens.weight" in load_file(tmp_path / "speculators" / "model.safetensors")
+    convert(tmp_path / "speculators", tmp_path / "back")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (
+        tmp_path / "hub" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_sglang_export_refuses_an_embedding_sglang_would_replace(tmp_path):
+    source = tmp_path / "specforge"
+    source.mkdir()
+    sglang_fixture(source)
+    with pytest.raises(ConversionError, match="--share-target-embedding"):
+        convert(source, tmp_path / "out", to_format="sglang")
+    assert not (tmp_path / "out").exists()
+
+    convert(source, tmp_path / "out", to_format="sglang", share_target_embedding=True)
+    assert "embed_tokens.weight" not in load_file(tmp_path / "out" / "model.safetensors")
+
+
+def test_import_only_formats_cannot_be_written(tmp_path):
+    tiny_draft().save_pretrained(tmp_path / "hub")
+    with pytest.raises(ConversionError, match="import-only"):
+        convert(tmp_path / "hub", tmp_path / "out", to_format="official")
+
+
+def test_sharded_checkpoint_is_read_whole(tmp_path):
+    tiny_draft().save_pretrained(tmp_path / "hub", max_shard_size="20KB")
+    assert (tmp_path / "hub" / "model.safetensors.index.json").is_file()
+    checkpoint, _ = convert(tmp_path / "hub", tmp_path / "out", to_format="speculators")
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == {
+        name.replace("midlayer.", "layers.0.") for name in checkpoint.tensors
+    }
+
+
+# --- malformed and unfaithful inputs: a clear error, nothing written -------------------------------------------
+
+
+def _drop(name):
+    return lambda config, tensors: tensors.pop(name)
+
+
+def _set_tensor(name, make):
+    return lambda config, tensors: tensors.__setitem__(name, make(tensors))
+
+
+def _set_config(path, value):
+    def mutate(config, tensors):
+        *parents, key = path.split(".")
+        for parent in parents:
+            config = config[parent]
+        config[key] = value
+
+    return mutate
+
+
+def _count_one_more_token(tensors):
+    t2d = tensors["t2d"].clone()
+    t2d[(~t2d).nonzero()[0]] = True
+    return t2d
+
+
+MALFORMED = {
+    "missing key": (_drop("midlayer.mlp.up_proj.weight"), r"missing \['midlayer.mlp.up_proj.weight'\]"),
+    "unknown key": (_set_tensor("midlayer.extra.weight", lambda t: torch.zeros(3)), r"unknown \['midlayer.extra"),
+    "wrong shape": (
+        _set_tensor("fc.weight", lambda t: t["fc.weight"].T.contiguous()),
+        r"fc.weight \(144, 32\) \(expected \(32, 144\)\)",
+    ),
+    "d2t out of range": (
+        _set_tensor("d2t", lambda t: t["d2t"].clone().index_fill(0, torch.tensor([DRAFT_VOCAB - 1]), VOCAB)),
+        "outside the target vocabulary",
+    ),
+    "duplicate d2t": (
+        _set_tensor("d2t", lambda t: torch.zeros(DRAFT_VOCAB, dtype=torch.long).index_fill(0, torch.tensor([1]), -1)),
+        "same target id",
+    ),
+    "t2d count": (_set_tensor("t2d", _count_one_more_token), f"marks {DRAFT_VOCAB + 1} target tokens"),
+    "missing d2t": (_drop("d2t"), "no d2t"),
+    "d2t dtype": (_set_tensor("d2t", lambda t: t["d2t"].int()), "d2t has dtype torch.int32"),
+    "t2d dtype": (_set_tensor("t2d", lambda t: t["t2d"].to(torch.uint8)), "t2d has dtype torch.uint8"),
+    "mixed weight dtypes": (_set_tensor("norm.weight", lambda t: t["norm.weight"].float()), "one floating-point dtype"),
+    "layer ids outside the target": (
+        _set_config("eagle_config.eagle_aux_hidden_state_layer_ids", [1, 5, 12]),
+        r"outside a target with 12 layers",
+    ),
+    "fc_norm": (_set_config("fc_norm", True), "fc_norm=True"),
+    "no aux hidden states": (_set_config("eagle_config.use_aux_hidden_state", False), "EAGLE-1/2"),
+    "invalid config": (_set_config("draft_vocab_size", VOCAB + 1), "draft_vocab_size"),
+}
+
+
+@pytest.mark.parametrize("mutation, message", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_checkpoint_is_refused_and_nothing_is_written(tmp_path, mutation, message):
+    source = tmp_path / "specforge"
+    source.mkdir()
+    sglang_fixture(source)
+    config = json.loads((source / "config.json").read_text())
+    tensors = load_file(source / "model.safetensors")
+    mutation(config, tensors)
+    write_json(source / "config.json", config)
+    save_file(tensors, source / "model.safetensors")
+
+    with pytest.raises(ConversionError, match=message):
+        convert(source, tmp_path / "out" / "draft", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["specforge"]
+
+
+def _rewrite(folder: Path, mutate_config=None, extra_tensors=None) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    mutate_config(config)
+    write_json(folder / "config.json", config)
+    if extra_tensors:
+        save_file({**load_file(folder / "model.safetensors"), **extra_tensors}, folder / "model.safetensors")
+
+
+UNFAITHFUL = {
+    "norm_before_residual": (
+        speculators_fixture, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"
+    ),
+    "norm_before_fc": (
+        speculators_fixture, lambda c: c.update(norm_before_fc=True), {"input_norm.weight": torch.ones(3 * HIDDEN)},
+        "norm_before_fc=True",
+    ),
+    "norm_before_residual unstated": (
+        speculators_fixture, lambda c: c.pop("norm_before_residual"), None, "vLLM as true"
+    ),
+    "qwen3 layer": (
+        speculators_fixture, lambda c: c["transformer_layer_config"].update(model_type="qwen3"), None, "'qwen3'"
+    ),
+    "no final norm": (
+        modelopt_fixture, lambda c: c["eagle_config"].update(use_last_layernorm=False), None, "use_last_layernorm"
+    ),
+    "official llama3 rope": (
+        official_fixture, lambda c: c.update(rope_theta=5e5, rope_scaling=LLAMA3_SCALING), None, "'llama3'"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "write_fixture, mutate_config, extra_tensors, message", UNFAITHFUL.values(), ids=UNFAITHFUL.keys()
+)
+def test_unfaithful_conversion_is_refused(tmp_path, write_fixture, mutate_config, extra_tensors, message):
+    source = tmp_path / "source"
+    source.mkdir()
+    write_fixture(source)
+    _rewrite(source, mutate_config, extra_tensors)
+    with pytest.raises(ConversionError, match=message):
+        convert(source, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    assert not (tmp_path / "out").exists()
+
+
+def test_official_checkpoint_needs_the_target_layer_count(tmp_path):
+    source = tmp_path / "official"
+    source.mkdir()
+    official_fixture(source)
+    with pytest.raises(ConversionError, match="--target-num-layers"):
+        convert(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bin_files_are_never_unpickled_beyond_tensors(tmp_path):
+    source = tmp_path / "official"
+    source.mkdir()
+    fixture = official_fixture(source)
+    torch.save({**fixture.tensors, "hook": print}, source / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="weights_only=True refuses"):
+        convert(source, tmp_path / "out", target=fixture.target)
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_destination_is_not_overwritten(tmp_path):
+    tiny_draft().save_pretrained(tmp_path / "hub")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="already exists"):
+        convert(tmp_path / "hub", tmp_path / "out", to_format="sglang")
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+# --- format detection and the command line ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def only_our_commands(monkeypatch):
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["conversion.cli", "hf_eagle3.hub"])
+
+
+def test_ambiguous_source_asks_for_the_format(tmp_path, capsys, only_our_commands):
+    source = tmp_path / "bare"
+    source.mkdir()
+    official_fixture(source)
+    _rewrite(source, lambda config: config.pop("architectures"))
+
+    with pytest.raises(SystemExit, match="could be any of official, sglang.*Pass --from"):
+        cli.main(["convert", str(source), str(tmp_path / "out"), "--target-num-layers", str(TARGET_LAYERS)])
+    assert not (tmp_path / "out").exists()
+
+    cli.main(["convert", str(source), str(tmp_path / "out"), "--from", "official", "--target-num-layers", "12"])
+    assert "(official) ->" in capsys.readouterr().out
+
+
+def test_unknown_source_lists_every_format(tmp_path):
+    source = tmp_path / "gpt2"
+    source.mkdir()
+    write_json(source / "config.json", {"model_type": "gpt2"})
+    save_file({"wte.weight": torch.zeros(4, 4)}, source / "model.safetensors")
+    with pytest.raises(
+        ConversionError, match="matches no known format.*hub .*official .*sglang .*speculators .*modelopt"
+    ):
+        convert(source, tmp_path / "out")
+
+
+def test_cli_reads_the_target_config(tmp_path, capsys, only_our_commands):
+    source = tmp_path / "official"
+    source.mkdir()
+    official_fixture(source)
+    target_config = tmp_path / "target.json"
+    write_json(
+        target_config, {"model_type": "llama", "num_hidden_layers": 12, "hidden_size": HIDDEN, "vocab_size": VOCAB}
+    )
+
+    cli.main(["convert", str(source), str(tmp_path / "out"), "--target-config", str(target_config)])
+
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["target_layer_ids"] == DEFAULT_TAPS and config["target_model_type"] == "llama"
+    assert f"target hidden_states {DEFAULT_TAPS}" in capsys.readouterr().out
+
+    write_json(target_config, {"num_hidden_layers": 12, "hidden_size": HIDDEN, "vocab_size": VOCAB + 1})
+    with pytest.raises(SystemExit, match="vocab_size"):
+        cli.main(["convert", str(source), str(tmp_path / "out2"), "--target-config", str(target_config)])

@@ -1,0 +1,201 @@
+"""Hub publishing with no network: remote code, a seeded local cache, and pushes against a mocked Hub client."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from unittest import mock
+
+import huggingface_hub
+import pytest
+from huggingface_hub import HfApi, ModelCard
+from safetensors.torch import load_file, save_file
+
+from conversion import ConversionError
+from hf_eagle3 import cli
+from hf_eagle3.hub import push_folder, upload_operations
+
+from conftest import tiny_draft
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAVED_FILES = {"config.json", "model.safetensors", "modeling_eagle3.py", "configuration_eagle3.py"}
+RESULTS = [
+    {"dataset": "mt-bench", "temperature": 0.0, "acceptance_length": 3.41, "speedup": 2.13},
+    {"dataset": "humaneval", "temperature": 0.0, "acceptance_length": 3.87, "speedup": 2.45},
+]
+
+
+def run_python(script: str, cwd: Path, **env: str) -> str:
+    """Run `script` in a fresh interpreter with only `env` (and PATH) set; return its stdout."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        check=False,
+        cwd=cwd,
+        env={"PATH": os.environ["PATH"], "HF_HUB_OFFLINE": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.fixture
+def saved_draft(tmp_path) -> Path:
+    folder = tmp_path / "draft"
+    tiny_draft(target_name_or_path="org/target").save_pretrained(folder)
+    return folder
+
+
+def test_saved_draft_loads_with_trust_remote_code_where_hf_eagle3_is_missing(tmp_path, saved_draft):
+    assert SAVED_FILES <= {path.name for path in saved_draft.iterdir()}
+    assert json.loads((saved_draft / "config.json").read_text())["auto_map"] == {
+        "AutoConfig": "configuration_eagle3.Eagle3Config",
+        "AutoModel": "modeling_eagle3.Eagle3DraftModel",
+    }
+    output = run_python(
+        f"""
+        import sys
+        sys.modules["hf_eagle3"] = None  # importing it now raises ImportError
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
+        saved = load_file({str(saved_draft / "model.safetensors")!r})
+        state = draft.state_dict()
+        assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
+        print(type(draft).__module__, type(draft).__name__)
+        """,
+        cwd=tmp_path,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert output.startswith("transformers_modules.") and output.split()[-1] == "Eagle3DraftModel"
+
+
+def test_from_pretrained_and_convert_resolve_a_repo_id_from_the_local_cache(tmp_path, saved_draft):
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo_cache = tmp_path / "hf_home" / "hub" / "models--org--name"
+    snapshot = repo_cache / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for path in saved_draft.iterdir():
+        (snapshot / path.name).write_bytes(path.read_bytes())
+    (repo_cache / "refs").mkdir()
+    (repo_cache / "refs" / "main").write_text(revision)
+
+    output = run_python(
+        f"""
+        import torch
+        from safetensors.torch import load_file
+        from conversion import convert
+        from hf_eagle3 import Eagle3DraftModel
+
+        draft = Eagle3DraftModel.from_pretrained("org/name")
+        state = draft.state_dict()
+        assert all(torch.equal(state[n], t) for n, t in load_file({str(saved_draft / "model.safetensors")!r}).items())
+        convert("org/name", {str(tmp_path / "sglang")!r}, to_format="sglang")
+        print("resolved", draft.config.target_name_or_path)
+        """,
+        cwd=tmp_path,
+        HF_HOME=str(tmp_path / "hf_home"),
+        PYTHONPATH=str(REPO_ROOT),
+    )
+    assert output.split() == ["resolved", "org/target"]
+    assert (tmp_path / "sglang" / "model.safetensors").is_file()
+
+
+@pytest.fixture
+def mocked_hub(monkeypatch):
+    """`HfApi.create_repo` / `create_commit` mocked; each commit's files are read while they still exist."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    commits = []
+
+    def create_commit(repo_id, operations, **kwargs):
+        files = {operation.path_in_repo: _content(operation.path_or_fileobj) for operation in operations}
+        commits.append({"repo_id": repo_id, "files": files, **kwargs})
+        return mock.Mock(commit_url=f"https://huggingface.co/{repo_id}/commit/1", pr_url=None)
+
+    with (
+        mock.patch.object(HfApi, "create_repo", side_effect=lambda repo_id, **_: mock.Mock(repo_id=repo_id)) as repo,
+        mock.patch.object(HfApi, "create_commit", side_effect=create_commit),
+    ):
+        yield repo, commits
+
+
+def _content(path_or_bytes) -> bytes:
+    return path_or_bytes if isinstance(path_or_bytes, bytes) else Path(path_or_bytes).read_bytes()
+
+
+def test_push_to_hub_sends_the_checkpoint_and_a_model_card(mocked_hub, saved_draft):
+    create_repo, commits = mocked_hub
+    draft = tiny_draft(target_name_or_path="org/target")
+
+    draft.push_to_hub("org/eagle3-draft", private=True, results=RESULTS)
+
+    create_repo.assert_called_once_with("org/eagle3-draft", private=True, exist_ok=True)
+    (commit,) = commits
+    assert commit["repo_id"] == "org/eagle3-draft" and set(commit["files"]) == SAVED_FILES | {"README.md"}
+    assert commit["files"]["model.safetensors"] == (saved_draft / "model.safetensors").read_bytes()
+    card = ModelCard(commit["files"]["README.md"].decode())
+    assert card.data.base_model == "org/target" and card.data.library_name == "transformers"
+    assert {"eagle3", "speculative-decoding"} <= set(card.data.tags)
+    assert 'Eagle3DraftModel.from_pretrained("org/eagle3-draft"' in card.text
+    assert "generate(**inputs, assistant_model=" in card.text
+    assert "| mt-bench | 0.00 | 3.41 | 2.13 |" in card.text and "| humaneval | 0.00 | 3.87 | 2.45 |" in card.text
+
+
+@pytest.fixture
+def only_our_commands(monkeypatch):
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["conversion.cli", "hf_eagle3.hub"])
+
+
+def test_push_command_dry_run_lists_the_upload_and_sends_nothing(mocked_hub, saved_draft, capsys, only_our_commands):
+    create_repo, commits = mocked_hub
+    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--dry-run"])
+    listed = capsys.readouterr().out
+    assert all(f"  {name} (" in listed for name in SAVED_FILES) and "README.md (" in listed and "generated" in listed
+    assert not create_repo.called and not commits
+
+
+def test_push_command_uploads_with_the_folder_results(mocked_hub, saved_draft, capsys, only_our_commands):
+    _, commits = mocked_hub
+    (saved_draft / "eagle3_results.json").write_text(json.dumps(RESULTS))
+    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--revision", "dev"])
+    (commit,) = commits
+    assert commit["revision"] == "dev" and "eagle3_results.json" in commit["files"]
+    assert "## Measured acceptance and speedup" in commit["files"]["README.md"].decode()
+    assert "https://huggingface.co/org/eagle3-draft/commit/1" in capsys.readouterr().out
+
+
+def test_card_without_results_or_hub_target_has_neither(saved_draft):
+    card_text = upload_operations(saved_draft, "org/eagle3-draft")[-1].path_or_fileobj.decode()
+    assert "Measured acceptance" not in card_text
+
+    config = json.loads((saved_draft / "config.json").read_text())
+    (saved_draft / "config.json").write_text(json.dumps({**config, "target_name_or_path": "/models/local-target"}))
+    card = ModelCard(upload_operations(saved_draft, "org/eagle3-draft")[-1].path_or_fileobj.decode())
+    assert card.data.base_model is None
+
+
+def test_a_folder_with_its_own_card_keeps_it(saved_draft):
+    (saved_draft / "README.md").write_text("# my card\n")
+    operations = upload_operations(saved_draft, "org/eagle3-draft")
+    assert [_content(op.path_or_fileobj) for op in operations if op.path_in_repo == "README.md"] == [b"# my card\n"]
+
+
+@pytest.mark.parametrize("damage", ["drop a weight", "drop auto_map"])
+def test_push_refuses_an_incomplete_draft(mocked_hub, saved_draft, damage):
+    create_repo, commits = mocked_hub
+    if damage == "drop a weight":
+        weights = load_file(saved_draft / "model.safetensors")
+        weights.pop("fc.weight")
+        save_file(weights, saved_draft / "model.safetensors", metadata={"format": "pt"})
+    else:
+        config = json.loads((saved_draft / "config.json").read_text())
+        config.pop("auto_map")
+        (saved_draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="missing \\['fc.weight'\\]" if damage == "drop a weight" else "auto_map"):
+        push_folder(saved_draft, "org/eagle3-draft")
+    assert not create_repo.called and not commits
