@@ -34,24 +34,24 @@ _TINY = dict(
     pad_token_id=0,
 )
 TARGET_FAMILIES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_TINY)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_TINY, use_sliding_window=False)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_TINY, head_dim=8, use_sliding_window=False)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**_TINY, sliding_window=None)),
+    "llama": lambda fields: LlamaForCausalLM(LlamaConfig(**fields)),
+    "qwen2": lambda fields: Qwen2ForCausalLM(Qwen2Config(**fields, use_sliding_window=False)),
+    "qwen3": lambda fields: Qwen3ForCausalLM(Qwen3Config(**fields, head_dim=8, use_sliding_window=False)),
+    "mistral": lambda fields: MistralForCausalLM(MistralConfig(**fields, sliding_window=None)),
 }
 
 
-def tiny_target(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa"):
+def tiny_target(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB):
     torch.manual_seed(seed)
-    model = TARGET_FAMILIES[family]()
+    model = TARGET_FAMILIES[family](_TINY | {"vocab_size": vocab_size})
     model.config._attn_implementation = attn_implementation
     return model.eval()
 
 
-def tiny_draft(seed: int = 0, draft_vocab_size: int = 64, **overrides) -> Eagle3DraftModel:
+def tiny_draft(seed: int = 0, draft_vocab_size: int = 64, vocab_size: int = VOCAB, **overrides) -> Eagle3DraftModel:
     torch.manual_seed(seed)
     config = Eagle3Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         draft_vocab_size=draft_vocab_size,
         hidden_size=HIDDEN,
         intermediate_size=64,
@@ -62,7 +62,7 @@ def tiny_draft(seed: int = 0, draft_vocab_size: int = 64, **overrides) -> Eagle3
         **({"tree_depth": 4, "tree_top_k": 3, "tree_total_tokens": 12} | overrides),
     )
     draft = Eagle3DraftModel(config).eval()
-    draft.set_draft_vocabulary(torch.randperm(VOCAB)[:draft_vocab_size])
+    draft.set_draft_vocabulary(torch.randperm(vocab_size)[:draft_vocab_size])
     return draft
 
 
