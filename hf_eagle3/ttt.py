@@ -30,12 +30,12 @@ simulated steps only ever meet the query of their own row, so each is scored by 
 Memory is therefore linear in `S`: nothing of size `S*T x S*T` is ever built.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import repeat_kv
 
 from .modeling_eagle3 import Eagle3DraftModel
 
@@ -55,18 +55,20 @@ def ttt_attention(
     """Attention of step `s = len(keys) - 1` under the Figure-6 mask, output `[B, T, H * D]`.
 
     Row `i` attends to `keys[0][:, :, :i+1]` (the real prefix) and to `keys[j][:, :, i]` for `j = 1 .. s` (its own
-    drafted chain). The first is a matrix product; the others are per-row dot products.
+    drafted chain). The first is a matrix product; the others are per-row dot products. Query heads are grouped per
+    key / value head (`[B, KV, G, T, D]`) instead of repeating keys, so no step stores copies of earlier keys.
     """
-    groups = query.shape[1] // keys[0].shape[1]
-    prefix_keys, prefix_values = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
-    prefix_scores = torch.matmul(query, prefix_keys.transpose(2, 3)) * scaling + causal_mask  # [B, H, T, T]
-    chain_scores = [(query * repeat_kv(key, groups)).sum(-1, keepdim=True) * scaling for key in keys[1:]]  # [B,H,T,1]
-    scores = torch.cat([prefix_scores, *chain_scores], dim=-1)  # [B, H, T, T + s]
-    probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
-    output = torch.matmul(probabilities[..., : prefix_keys.shape[2]], prefix_values)  # [B, H, T, D]
+    batch_size, num_heads, length, head_dim = query.shape
+    num_kv_heads = keys[0].shape[1]
+    grouped_query = query.view(batch_size, num_kv_heads, num_heads // num_kv_heads, length, head_dim)
+    prefix_scores = torch.matmul(grouped_query, keys[0][:, :, None].transpose(-1, -2))  # [B, KV, G, T, T]
+    chain_scores = [(grouped_query * key[:, :, None]).sum(-1, keepdim=True) for key in keys[1:]]  # [B, KV, G, T, 1]
+    scores = torch.cat([prefix_scores, *chain_scores], dim=-1) * scaling + F.pad(causal_mask, (0, len(chain_scores)))
+    probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # [B, KV, G, T, T + s]
+    output = torch.matmul(probabilities[..., :length], values[0][:, :, None])  # [B, KV, G, T, D]
     for j, value in enumerate(values[1:]):
-        output = output + probabilities[..., -len(chain_scores) + j, None] * repeat_kv(value, groups)
-    return output.transpose(1, 2).reshape(*query.shape[:1], query.shape[2], -1)
+        output = output + probabilities[..., length + j, None] * value[:, :, None]
+    return output.reshape(batch_size, num_heads, length, head_dim).transpose(1, 2).reshape(batch_size, length, -1)
 
 
 @dataclass
@@ -106,32 +108,20 @@ class TrainingTimeTest(nn.Module):
         self.steps = steps
         self.decay = decay
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor,  # [B, T]
-        target_features: torch.Tensor,  # [B, T, 3 k_t]: target hidden states at target_layer_ids, concatenated
-        target_logits: torch.Tensor,  # [B, T, V]: the target's logits
-        loss_mask: torch.Tensor,  # [B, T]: 1 where the token is an assistant token (0 on padding)
-    ) -> TTTOutput:
+    def unroll(self, input_ids: torch.LongTensor, target_features: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The draft's output features `a^s` `[B, T, k]` of steps `s = 0 .. steps-1`, one step per iteration.
+
+        `input_ids` `[B, T]` are the ground-truth tokens, `target_features` `[B, T, 3 k_t]` the target's hidden
+        states at `target_layer_ids` concatenated. Row `i` of step `s` is the draft's prediction of `t_{i+s+2}`.
+        """
         draft = self.draft
         attention = draft.midlayer.self_attn
         batch_size, length = input_ids.shape
-
-        # The target's view of every position j: its distribution of t_{j+1} renormalised over the draft vocabulary,
-        # and whether its top-1 is in that vocabulary. Row i at step s reads position j = i + s + 1.
-        with torch.no_grad():
-            target_probs = target_logits[..., draft.draft_to_target].float().softmax(-1)  # [B, T, Vd]
-            target_top1_in_draft = draft.t2d[target_logits.argmax(-1)]  # [B, T]
         tokens = shift_left(input_ids)  # t_{i+1}
-        assistant = shift_left(shift_left(loss_mask.bool(), fill=False), fill=False)  # t_{i+2} is an assistant token
-
         features = draft.fuse(target_features)  # g, [B, T, k]
         positions = torch.arange(length, device=input_ids.device)[None].expand(batch_size, -1)
         causal_mask = torch.full((length, length), torch.finfo(features.dtype).min, device=features.device).triu(1)
         keys, values = [], []
-        loss = features.new_zeros((), dtype=torch.float32)
-        step_losses, step_correct, step_counts, chain_accepted, chain_attempted = [], [], [], [], []
-        chain_alive = torch.ones_like(assistant)  # every earlier draft of the row matched the target's top-1
         for step in range(self.steps):
             embeds = draft.embed_tokens(tokens).to(features.dtype)
             attn_input = draft.midlayer.attention_input(embeds, features)  # [B, T, 2k]
@@ -141,7 +131,30 @@ class TrainingTimeTest(nn.Module):
             values.append(value)
             attn_output = ttt_attention(query, keys, values, attention.scaling, causal_mask.to(query.dtype))
             features = draft.midlayer.finish(features, attention.o_proj(attn_output))  # a^s, [B, T, k]
+            yield features
+            # Next step: same rows, one position further on; the feature a^s stays in its row and feeds back.
+            tokens = shift_left(tokens)
 
+    def forward(
+        self,
+        input_ids: torch.LongTensor,  # [B, T]
+        target_features: torch.Tensor,  # [B, T, 3 k_t]: target hidden states at target_layer_ids, concatenated
+        target_logits: torch.Tensor,  # [B, T, V]: the target's logits
+        loss_mask: torch.Tensor,  # [B, T]: 1 where the token is an assistant token (0 on padding)
+    ) -> TTTOutput:
+        draft = self.draft
+        length = input_ids.shape[1]
+        # The target's view of every position j: its distribution of t_{j+1} renormalised over the draft vocabulary,
+        # and whether its top-1 is in that vocabulary. Row i at step s is scored against position j = i + s + 1.
+        with torch.no_grad():
+            target_probs = target_logits[..., draft.draft_to_target].float().softmax(-1)  # [B, T, Vd]
+            target_top1_in_draft = draft.t2d[target_logits.argmax(-1)]  # [B, T]
+        assistant = shift_left(shift_left(loss_mask.bool(), fill=False), fill=False)  # t_{i+2} is an assistant token
+
+        loss = target_probs.new_zeros(())
+        step_losses, step_correct, step_counts, chain_accepted, chain_attempted = [], [], [], [], []
+        chain_alive = torch.ones_like(assistant)  # every earlier draft of the row matched the target's top-1
+        for step, features in enumerate(self.unroll(input_ids, target_features)):
             # Logits only where they are scored: rows whose predicted token is an assistant token.
             rows = assistant[:, : length - step - 1]  # rows past T - step - 2 have no target
             log_probs = draft.compute_logits(features[:, : length - step - 1][rows]).float().log_softmax(-1)  # [N, Vd]
@@ -161,9 +174,6 @@ class TrainingTimeTest(nn.Module):
                 chain_attempted.append((chain_alive & assistant).sum())
                 chain_alive = chain_alive & correct
                 chain_accepted.append(chain_alive.sum())
-
-            # Next step: same rows, one position further on; the feature a^s stays in its row and feeds back.
-            tokens = shift_left(tokens)
             assistant = shift_left(assistant, fill=False)
         return TTTOutput(
             loss=loss,

@@ -1,0 +1,176 @@
+"""Data preparation: robust reading, assistant-only loss masks, regeneration by the target, resumable shards."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from hf_eagle3.data import (
+    SkipCounts,
+    load_dataset,
+    prepare_dataset,
+    read_conversations,
+    regenerate_conversations,
+    tokenize_conversation,
+)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE tokenizer with a ChatML template, trained offline on a few sentences."""
+    corpus = ["How can I help you today? The quick brown fox jumps over the lazy dog."] * 20
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>")
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def conversation(*contents):
+    roles = ["user", "assistant"]
+    return [{"role": roles[i % 2], "content": content} for i, content in enumerate(contents)]
+
+
+def sharegpt_record(*contents):
+    return {"id": "x", "conversations": [{"from": ("human", "gpt")[i % 2], "value": c} for i, c in enumerate(contents)]}
+
+
+def test_truncated_sharegpt_json_recovers_every_complete_record(tmp_path):
+    records = [sharegpt_record("hi", "hello"), sharegpt_record("a", "b", "c", "d"), sharegpt_record("q", "r")]
+    text = json.dumps(records)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:-1] + ', {"id": "y", "conversations": [{"from": "human", "val')  # cut mid-record
+    skipped = SkipCounts()
+    conversations = list(read_conversations(path, skipped))
+    assert conversations == [conversation("hi", "hello"), conversation("a", "b", "c", "d"), conversation("q", "r")]
+    assert skipped == {"truncated record at end of file": 1}
+
+
+def test_malformed_records_are_skipped_with_a_count(tmp_path):
+    lines = [
+        json.dumps({"messages": conversation("fine", "ok")}),
+        "{not json",
+        json.dumps({"messages": []}),
+        json.dumps({"messages": [{"content": "no role"}]}),
+        json.dumps({"messages": [{"role": "narrator", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user"}]}),
+        json.dumps({"conversations": [{"from": "gpt", "value": "starts with the assistant"}]}),
+        json.dumps(["not a turn"]),
+        json.dumps(conversation("bare list of messages", "fine")),
+        json.dumps({"messages": conversation("cut at the broken turn", "yes") + [{"role": "assistant", "content": "x"}]}),
+        "",
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines))
+    skipped = SkipCounts()
+    conversations = list(read_conversations(path, skipped))
+    assert conversations == [
+        conversation("fine", "ok"),
+        conversation("bare list of messages", "fine"),
+        conversation("cut at the broken turn", "yes"),
+    ]
+    assert skipped == {
+        "bad JSON line": 1,
+        "empty conversation": 1,
+        "missing role": 1,
+        "unknown role": 1,
+        "missing content": 1,
+        "no user turn at the start": 1,
+        "malformed turn": 1,
+    }
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No data file"):
+        list(read_conversations(tmp_path / "absent.jsonl"))
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
+    messages = conversation("How can I help?", "The quick fox.", "And the dog?", "It is lazy.")
+    input_ids, loss_mask = tokenize_conversation(tokenizer, messages, max_length=1000)
+    assert len(input_ids) == len(loss_mask)
+    masked = tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if m])
+    assert masked == "The quick fox.<|im_end|>It is lazy.<|im_end|>"
+    assert input_ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False))["input_ids"]
+
+
+def test_length_cap_cuts_and_drops_conversations_without_assistant_tokens(tokenizer):
+    messages = conversation("How can I help you today? " * 4, "The quick fox.")
+    prompt_length = len(tokenizer(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True))["input_ids"])
+    input_ids, loss_mask = tokenize_conversation(tokenizer, messages, max_length=prompt_length + 2)
+    assert len(input_ids) == prompt_length + 2 and sum(loss_mask) == 2
+    assert tokenize_conversation(tokenizer, messages, max_length=prompt_length) is None
+
+
+def test_regeneration_replaces_answers_and_skips_long_prompts(tokenizer, tiny_chat_target):
+    conversations = [
+        conversation("How can I help?", "original answer", "And the dog?", "original"),
+        conversation("The quick brown fox jumps over the lazy dog. " * 20, "original"),
+    ]
+    skipped = SkipCounts()
+    regenerated = regenerate_conversations(
+        tiny_chat_target, tokenizer, conversations, max_turns=2, max_prompt_length=80, max_new_tokens=5,
+        batch_size=2, skipped=skipped, progress=False,
+    )
+    assert skipped == {"prompt longer than the cap": 1}
+    assert len(regenerated) == 1 and [m["role"] for m in regenerated[0]] == ["user", "assistant"] * 2
+    assert [m["content"] for m in regenerated[0][::2]] == ["How can I help?", "And the dog?"]
+    assert regenerated[0][1]["content"] != "original answer"
+    assert tokenizer.padding_side == "right"  # restored
+
+
+def test_prepare_writes_shards_and_resumes_without_regenerating(tmp_path, tokenizer, tiny_chat_target):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conversation(f"question {i}?", "answer")}) for i in range(5)))
+    output = tmp_path / "prepared"
+    options = dict(max_length=64, shard_size=2, max_new_tokens=4, batch_size=4, progress=False)
+    first = prepare_dataset([path], output, tokenizer, target=tiny_chat_target, **options)
+    assert sorted(p.name for p in output.glob("shard-*.jsonl")) == [f"shard-0000{i}.jsonl" for i in range(3)]
+    assert len(first.examples) == 5 and json.loads((output / "manifest.json").read_text())["conversations"] == 5
+
+    class NoGeneration(torch.nn.Module):  # resuming must read the shards, never generate again
+        config = tiny_chat_target.config
+
+        def generate(self, *args, **kwargs):
+            raise AssertionError("regenerated an existing shard")
+
+    resumed = prepare_dataset([path], output, tokenizer, target=NoGeneration(), **options)
+    assert resumed.examples == first.examples == load_dataset(output)
+    with pytest.raises(ValueError, match="other settings"):
+        prepare_dataset([path], output, tokenizer, target=tiny_chat_target, **{**options, "max_length": 32})
+
+
+def test_no_usable_conversation_is_an_error_with_the_counts(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("{oops\n" + json.dumps({"messages": []}) + "\n")
+    with pytest.raises(ValueError, match="1 bad JSON line, 1 empty conversation"):
+        prepare_dataset([path], tmp_path / "out", tokenizer, progress=False)
+
+
+def test_load_dataset_without_shards_says_what_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prepare-data"):
+        load_dataset(tmp_path)

@@ -1,0 +1,152 @@
+"""Trainer: exact resume after a kill, learning on a tiny target, evaluation, precomputed features, CLI."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_target
+from safetensors.torch import load_file
+
+from hf_eagle3 import trainer as trainer_module
+from hf_eagle3.trainer import (
+    TargetFeatures,
+    TrainConfig,
+    acceptance_summary,
+    collate,
+    epoch_batches,
+    latest_checkpoint,
+    train,
+)
+from hf_eagle3.data import Example
+
+
+@pytest.fixture(scope="module")
+def target():
+    """The tiny random Llama with a sharpened output layer, so its next-token distributions are peaked like a real
+    model's (a random one's are almost uniform: there would be nothing to learn)."""
+    model = tiny_target("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, target):
+    """Conversations whose answers are the tiny target's own greedy continuations (what regeneration produces)."""
+    directory = tmp_path_factory.mktemp("data")
+    torch.manual_seed(0)
+    prompts = torch.randint(1, VOCAB, (48, 6))
+    with torch.no_grad():
+        sequences = target.generate(prompts, max_new_tokens=26, do_sample=False, attention_mask=torch.ones_like(prompts))
+    with open(directory / "shard-00000.jsonl", "w") as file:
+        for sequence in sequences.tolist():
+            file.write(json.dumps({"messages": [], "input_ids": sequence, "loss_mask": [0] * 6 + [1] * 26}) + "\n")
+    return directory
+
+
+def config_for(dataset, output_dir, **overrides):
+    settings = dict(
+        data=str(dataset), output_dir=str(output_dir), draft_vocab_size=64, intermediate_size=64, batch_size=4,
+        ttt_steps=3, learning_rate=3e-3, warmup_steps=2, max_steps=8, save_every=4, eval_every=4, log_every=1,
+        eval_fraction=0.2, seed=1,
+    )
+    return TrainConfig(**(settings | overrides))
+
+
+def draft_weights(output_dir):
+    return load_file(str(latest_checkpoint(output_dir) / "draft.safetensors"))
+
+
+class Killed(Exception):
+    pass
+
+
+def test_killed_and_resumed_run_matches_an_uninterrupted_one(dataset, target, tmp_path, monkeypatch):
+    train(config_for(dataset, tmp_path / "straight"), target=target, progress=False)
+
+    save_checkpoint = trainer_module.save_checkpoint
+
+    def save_then_die(output_dir, draft, optimizer, scheduler, state, keep):
+        path = save_checkpoint(output_dir, draft, optimizer, scheduler, state, keep)
+        if state["step"] == 4:
+            raise Killed
+        return path
+
+    monkeypatch.setattr(trainer_module, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        train(config_for(dataset, tmp_path / "killed"), target=target, progress=False)
+    monkeypatch.undo()
+
+    # The checkpoint holds the same step, learning rate and data position as the uninterrupted run's at step 4.
+    straight_state = json.loads((tmp_path / "straight" / "checkpoint-000004" / "trainer_state.json").read_text())
+    killed_state = json.loads((tmp_path / "killed" / "checkpoint-000004" / "trainer_state.json").read_text())
+    for key in ("step", "epoch", "round", "tokens"):
+        assert killed_state[key] == straight_state[key]
+    assert [e.get("lr") for e in killed_state["history"]] == [e.get("lr") for e in straight_state["history"]]
+
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(config_for(dataset, tmp_path / "killed"), target=target, progress=False)
+    train(config_for(dataset, tmp_path / "killed"), resume=True, target=target, progress=False)
+    straight, resumed = draft_weights(tmp_path / "straight"), draft_weights(tmp_path / "killed")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    straight_history = json.loads((tmp_path / "straight" / "history.json").read_text())
+    resumed_history = json.loads((tmp_path / "killed" / "history.json").read_text())
+    assert [e.get("train_loss") for e in straight_history] == [e.get("train_loss") for e in resumed_history]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(dataset, target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(config_for(dataset, tmp_path), resume=True, target=target, progress=False)
+
+
+def test_training_lowers_the_loss_and_raises_held_out_acceptance(dataset, target, tmp_path):
+    config = config_for(dataset, tmp_path, max_steps=40, eval_every=40, save_every=40, learning_rate=1e-2)
+    train(config, target=target, progress=False)
+    history = json.loads((tmp_path / "history.json").read_text())
+    losses = [entry["train_loss"] for entry in history if "train_loss" in entry]
+    assert sum(losses[-5:]) < 0.92 * sum(losses[:5])  # the floor is the target distribution's entropy
+    final = [entry["eval"] for entry in history if "eval" in entry][-1]
+    assert final["alpha"][0] > 0.3 and final["chain_tau"] > 1.3  # an untrained draft: 0-α about 1/64
+    assert (tmp_path / "training.png").stat().st_size > 0
+    assert (tmp_path / "draft" / "config.json").exists()
+
+
+def test_precomputed_features_match_online_ones(dataset, target, tmp_path):
+    examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1]), Example([], [4, 6, 8], [0, 1, 1])]
+    batch = collate(examples, [0, 1], pad_token_id=0)
+    online = TargetFeatures(target, [2, 4, 5])(batch, "train")
+    stored = TargetFeatures(target, [2, 4, 5], tmp_path)
+    stored.precompute(examples, "train", progress=False)
+    from_disk = stored(batch, "train")
+    for got, expected in zip(from_disk, online):
+        real = batch["loss_mask"].new_ones(batch["loss_mask"].shape).bool()
+        real[1, 3:] = False  # padding rows are zero on disk, anything online
+        assert torch.allclose(got[real], expected[real], rtol=2e-2, atol=2e-2)
+
+
+def test_epoch_batches_are_deterministic_and_cover_every_example_once():
+    lengths = [5, 40, 7, 33, 12, 9, 21, 18, 3, 27]
+    batches = epoch_batches(lengths, batch_size=3, seed=0, epoch=2)
+    assert batches == epoch_batches(lengths, batch_size=3, seed=0, epoch=2)
+    assert batches != epoch_batches(lengths, batch_size=3, seed=0, epoch=3)
+    assert sorted(i for batch in batches for i in batch) == list(range(10))
+
+
+def test_acceptance_summary():
+    summary = acceptance_summary(torch.tensor([8, 4, 1]), torch.tensor([10, 8, 4]))
+    assert summary["alpha"] == pytest.approx([0.8, 0.5, 0.25])
+    assert summary["chain_tau"] == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+
+
+def test_cli_maps_every_option_to_the_config():
+    parser = argparse.ArgumentParser()
+    trainer_module.register_cli(parser.add_subparsers())
+    args = parser.parse_args(
+        ["train", "--data", "d", "--output-dir", "o", "--ttt-steps", "1", "--bf16", "--max-steps", "5",
+         "--learning-rate", "1e-3", "--no-init-head-from-target"]
+    )
+    assert args.ttt_steps == 1 and args.bf16 and args.max_steps == 5 and args.learning_rate == 1e-3
+    assert args.init_head_from_target is False and args.eval_data is None and args.run is trainer_module._run_cli
