@@ -299,17 +299,18 @@ def _write_jsonl_atomically(path: Path, rows: Iterable[dict]) -> None:
     os.replace(partial, path)
 
 
+def _read_shard(path: Path) -> list[Example]:
+    with open(path, encoding="utf-8") as file:
+        return [Example(**json.loads(line)) for line in file]
+
+
 def load_dataset(directory: str | Path) -> list[Example]:
     """The examples of a directory written by `prepare_dataset`, in shard order."""
     directory = Path(directory)
     shards = sorted(directory.glob("shard-*.jsonl"))
     if not shards:
         raise FileNotFoundError(f"No shard-*.jsonl files in {directory}: run `hf-eagle3 prepare-data` first.")
-    examples = []
-    for shard in shards:
-        with open(shard, encoding="utf-8") as file:
-            examples.extend(Example(**json.loads(line)) for line in file)
-    return examples
+    return [example for shard in shards for example in _read_shard(shard)]
 
 
 def prepare_dataset(
@@ -370,8 +371,7 @@ def prepare_dataset(
         shard_path = output_dir / f"shard-{shard_index:05d}.jsonl"
         counts_path = output_dir / f"shard-{shard_index:05d}.skipped.json"
         if shard_path.exists():
-            with open(shard_path, encoding="utf-8") as file:
-                examples.extend(Example(**json.loads(line)) for line in file)
+            examples.extend(_read_shard(shard_path))
             skipped.update(json.loads(counts_path.read_text()))
             continue
         shard_skips = SkipCounts()
@@ -444,17 +444,29 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_cli)
 
 
-def load_target(name_or_path: str, dtype: torch.dtype, device: str = "cpu"):
-    """(target model, tokenizer): `"smollm2"` is the embedded SmolLM2-135M-Instruct, anything else a transformers
-    causal-LM path or Hub id."""
+def load_target_model(name_or_path: str, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
+    """The target: `"smollm2"` is the embedded SmolLM2-135M-Instruct, anything else a transformers causal-LM path or
+    Hub id."""
     if name_or_path == "smollm2":
         from .smollm2 import load_smollm2
 
-        return load_smollm2(dtype, device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return load_smollm2(dtype, device)[0]
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(name_or_path)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+
+
+def load_target(name_or_path: str, dtype: torch.dtype, device: str = "cpu"):
+    """(target model, tokenizer with its chat template); see `load_target_model`."""
+    from transformers import AutoTokenizer
+
+    if name_or_path == "smollm2":
+        from .smollm2 import smollm2_path
+
+        tokenizer_path = smollm2_path()
+    else:
+        tokenizer_path = name_or_path
+    return load_target_model(name_or_path, dtype, device), AutoTokenizer.from_pretrained(tokenizer_path)
 
 
 def _run_cli(args: argparse.Namespace) -> None:
@@ -485,6 +497,7 @@ __all__ = [
     "SkipCounts",
     "load_dataset",
     "load_target",
+    "load_target_model",
     "normalize_messages",
     "prepare_dataset",
     "read_conversations",

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from .configuration_eagle3 import Eagle3Config
-from .data import Example, load_dataset, load_target
+from .data import Example, load_dataset, load_target_model
 from .modeling_eagle3 import Eagle3DraftModel
 from .ttt import TrainingTimeTest
 from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary
@@ -73,6 +73,7 @@ class TrainConfig:
     init_head_from_target: bool = True  # lm_head / norm start as the target's rows for the draft vocabulary
     precompute_features: str | None = None  # directory of precomputed target features
     threads: int | None = None  # torch CPU threads
+    save_dtype: str = "float32"  # dtype of the final draft in output_dir/draft (e.g. "bfloat16" to ship it)
 
 
 # ------------------------------------------------------------------------------------------------------ batches
@@ -202,6 +203,13 @@ def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: 
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[draft.draft_to_target])
             draft.norm.weight.copy_(target.model.norm.weight)
     return draft
+
+
+def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtype) -> None:
+    """`save_pretrained` a `dtype` copy of `draft` (casting the draft itself would cast the shared target embedding)."""
+    copy = Eagle3DraftModel(draft.config)
+    copy.load_state_dict(draft.state_dict())
+    copy.to(dtype).save_pretrained(directory)
 
 
 def trainable_state_dict(draft: Eagle3DraftModel) -> dict[str, torch.Tensor]:
@@ -359,7 +367,7 @@ def train(
     torch.manual_seed(config.seed)
 
     if target is None:
-        target, _ = load_target(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
+        target = load_target_model(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
     target.requires_grad_(False)
     train_examples, eval_examples = _split_examples(config)
     draft_config = draft_config_for(target, config.target, config.draft_vocab_size, config.intermediate_size)
@@ -465,7 +473,7 @@ def train(
 
     draft = accelerator.unwrap_model(ttt).draft
     if accelerator.is_main_process:
-        draft.save_pretrained(output_dir / "draft")
+        save_draft(draft, output_dir / "draft", getattr(torch, config.save_dtype))
     return draft
 
 

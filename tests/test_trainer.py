@@ -2,6 +2,9 @@
 
 import argparse
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -95,6 +98,46 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(dataset, target, tm
     straight_history = json.loads((tmp_path / "straight" / "history.json").read_text())
     resumed_history = json.loads((tmp_path / "killed" / "history.json").read_text())
     assert [e.get("train_loss") for e in straight_history] == [e.get("train_loss") for e in resumed_history]
+
+
+TRAIN_CLI = (
+    "import argparse; from hf_eagle3 import trainer; parser = argparse.ArgumentParser(); "
+    "trainer.register_cli(parser.add_subparsers()); args = parser.parse_args(); args.run(args)"
+)
+
+
+def parse_train_cli(argv):
+    parser = argparse.ArgumentParser()
+    trainer_module.register_cli(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+def test_sigkilled_cli_run_resumes_to_the_weights_of_an_uninterrupted_one(dataset, target, tmp_path):
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    argv = [
+        "train", "--data", str(dataset), "--target", str(target_dir), "--draft-vocab-size", "64",
+        "--intermediate-size", "64", "--batch-size", "4", "--ttt-steps", "3", "--learning-rate", "3e-3",
+        "--warmup-steps", "2", "--max-steps", "40", "--save-every", "2", "--eval-every", "1000", "--eval-batches", "0",
+        "--eval-fraction", "0.2", "--seed", "1", "--threads", "1",
+    ]
+    straight = parse_train_cli([*argv, "--output-dir", str(tmp_path / "straight")])
+    straight.run(straight)
+
+    killed_dir = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-c", TRAIN_CLI, *argv, "--output-dir", str(killed_dir)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (killed_dir / "checkpoint-000010").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.kill()  # SIGKILL: no clean-up of any kind
+    assert process.wait() == -9, "the run ended before it could be killed"
+    assert latest_checkpoint(killed_dir).name < "checkpoint-000040"
+
+    resumed = parse_train_cli([*argv, "--output-dir", str(killed_dir), "--resume"])
+    resumed.run(resumed)
+    expected, got = draft_weights(tmp_path / "straight"), draft_weights(killed_dir)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
 def test_resume_without_checkpoint_is_a_clear_error(dataset, target, tmp_path):
