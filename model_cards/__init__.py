@@ -1,0 +1,1 @@
+"""Model card templates of hf-eagle3 drafts (`huggingface_hub.ModelCard` Jinja templates)."""
