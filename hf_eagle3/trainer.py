@@ -261,8 +261,8 @@ def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches,
     }
 
 
-def plot_history(history: list[dict], path: str | Path) -> None:
-    """Training loss and held-out n-α against the optimizer step, as a PNG."""
+def plot_history(history: list[dict], path: str | Path, step_decay: float) -> None:
+    """Training loss and held-out n-α against the optimizer step, as a PNG (losses weighted `step_decay ** s`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,7 +272,8 @@ def plot_history(history: list[dict], path: str | Path) -> None:
     train = [entry for entry in history if "train_loss" in entry]
     loss_axis.plot([entry["step"] for entry in train], [entry["train_loss"] for entry in train], label="train")
     evals = [entry for entry in history if "eval" in entry]
-    loss_axis.plot([e["step"] for e in evals], [sum(e["eval"]["loss"]) for e in evals], "o-", label="held-out (sum)")
+    held_out = [sum(step_decay**s * loss for s, loss in enumerate(e["eval"]["loss"])) for e in evals]
+    loss_axis.plot([e["step"] for e in evals], held_out, "o-", label="held-out")
     loss_axis.set(xlabel="optimizer step", ylabel="TTT loss (weighted sum of steps)", title="loss")
     loss_axis.legend()
     for n in range(len(evals[0]["eval"]["alpha"]) if evals else 0):
@@ -400,7 +401,9 @@ def train(
         state = load_checkpoint(checkpoint, draft, optimizer, scheduler)
     elif accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
-    ttt, optimizer, scheduler = accelerator.prepare(ttt, optimizer, scheduler)
+    # The scheduler stays unwrapped: total_steps already counts optimizer steps across processes, and accelerate's
+    # wrapper would step it once per process.
+    ttt, optimizer = accelerator.prepare(ttt, optimizer)
 
     features = TargetFeatures(target, draft_config.target_layer_ids, config.precompute_features)
     if config.precompute_features is not None:
@@ -467,7 +470,7 @@ def train(
             save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, scheduler, state,
                             config.keep_checkpoints)
             (output_dir / "history.json").write_text(json.dumps(state["history"], indent=1))
-            plot_history(state["history"], output_dir / "training.png")
+            plot_history(state["history"], output_dir / "training.png", config.step_decay)
         accelerator.wait_for_everyone()
     bar.close()
 
