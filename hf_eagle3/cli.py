@@ -8,6 +8,8 @@ COMMAND_MODULES = [
     "hf_eagle3.demo",
     "conversion.cli",
     "hf_eagle3.hub",
+    "hf_eagle3.data",
+    "hf_eagle3.trainer",
 ]
 
 
