@@ -301,7 +301,10 @@ def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, 
     partial = output_dir / f".{final.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    save_file({name: t.contiguous() for name, t in trainable_state_dict(draft).items()}, str(partial / "draft.safetensors"))
+    # config.json + model.safetensors: every checkpoint also loads with `Eagle3DraftModel.from_pretrained`.
+    draft.config.save_pretrained(partial)
+    tensors = {name: tensor.contiguous() for name, tensor in trainable_state_dict(draft).items()}
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -319,7 +322,7 @@ def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, 
 
 def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
     """Restore what `save_checkpoint` wrote into the given objects; returns the trainer state."""
-    draft.load_state_dict(load_file(str(checkpoint / "draft.safetensors")), strict=False)
+    draft.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False)
     training_state = torch.load(checkpoint / "training_state.pt", weights_only=False)
     optimizer.load_state_dict(training_state["optimizer"])
     scheduler.load_state_dict(training_state["scheduler"])
@@ -452,7 +455,7 @@ def train(
         step_metrics = accelerator.reduce(step_metrics.to(accelerator.device), "mean") / config.gradient_accumulation_steps
         loss, accuracies = step_metrics[0].item(), step_metrics[1:].tolist()
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies[:4]),
+        bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies),
                         tok_s=f"{state['tokens'] / state['train_seconds']:.0f}")
         if state["step"] % config.log_every == 0 or state["step"] == total_steps:
             state["history"].append({"step": state["step"], "train_loss": loss, "train_accuracy": accuracies,

@@ -11,6 +11,7 @@ import torch
 from conftest import VOCAB, tiny_target
 from safetensors.torch import load_file
 
+from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3 import trainer as trainer_module
 from hf_eagle3.trainer import (
     TargetFeatures,
@@ -58,7 +59,7 @@ def config_for(dataset, output_dir, **overrides):
 
 
 def draft_weights(output_dir):
-    return load_file(str(latest_checkpoint(output_dir) / "draft.safetensors"))
+    return load_file(str(latest_checkpoint(output_dir) / "model.safetensors"))
 
 
 class Killed(Exception):
@@ -154,7 +155,8 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(dataset, target
     final = [entry["eval"] for entry in history if "eval" in entry][-1]
     assert final["alpha"][0] > 0.3 and final["chain_tau"] > 1.3  # an untrained draft: 0-α about 1/64
     assert (tmp_path / "training.png").stat().st_size > 0
-    assert (tmp_path / "draft" / "config.json").exists()
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "draft").config.draft_vocab_size == 64
+    assert Eagle3DraftModel.from_pretrained(latest_checkpoint(tmp_path)).config.draft_vocab_size == 64
 
 
 def test_precomputed_features_match_online_ones(dataset, target, tmp_path):
