@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 from .configuration_eagle3 import Eagle3Config
 from .data import Example, load_dataset, load_target_model
 from .modeling_eagle3 import Eagle3DraftModel
+from .smollm2 import SMOLLM2_NAME
 from .ttt import TrainingTimeTest
 from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary
 
@@ -187,7 +188,7 @@ def draft_config_for(target: PreTrainedModel, target_name: str, draft_vocab_size
         max_position_embeddings=config.max_position_embeddings,
         target_num_hidden_layers=config.num_hidden_layers,
         target_model_type=config.model_type,
-        target_name_or_path=config.name_or_path or target_name,
+        target_name_or_path=SMOLLM2_NAME if target_name == "smollm2" else target_name,
     )
 
 
