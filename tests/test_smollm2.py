@@ -21,7 +21,6 @@ PROMPTS_PER_SET, NEW_TOKENS = (30, 128) if FULL else (3, 64)
 
 @pytest.fixture(scope="module")
 def smollm2():
-    torch.set_num_threads(2)
     return load_smollm2(dtype=torch.float32)
 
 
