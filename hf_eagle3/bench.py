@@ -1,0 +1,298 @@
+"""`hf-eagle3 bench`: speedup, acceptance length and per-position acceptance of EAGLE-3 against plain `generate` and
+prompt-lookup decoding, measured right.
+
+Every method runs once on the first prompt of every set before anything is timed (kernel selection for each new
+shape can cost many times a normal forward). Then, for each prompt, the methods run back to back, `repetitions`
+times, and each method's time on that prompt is the median of its repetitions. Speedup of a method on a prompt is
+plain time / method time; a set's speedup is the median over its prompts. Greedy outputs are compared with plain
+decoding as they come, and every mismatch is reported.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .generation import Eagle3GenerationStats
+from .modeling_eagle3 import Eagle3DraftModel
+from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
+
+PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of decoding: plain, prompt lookup, or EAGLE-3 with a tree shape (`top_k == 1`: chain)."""
+
+    name: str
+    generate_kwargs: dict
+
+    @property
+    def is_eagle3(self) -> bool:
+        return "tree_top_k" in self.generate_kwargs
+
+
+def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: int) -> list[Method]:
+    """`plain`, `prompt-lookup`, `chain`, `tree`, or `tree:DEPTHxTOPKxTOTAL` for a tree of another shape."""
+    methods = []
+    for name in names:
+        if name == "plain":
+            methods.append(Method(name, {}))
+        elif name == "prompt-lookup":
+            methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
+        elif name == "chain":
+            methods.append(Method(name, {"tree_depth": depth, "tree_top_k": 1, "tree_total_tokens": depth}))
+        elif name == "tree":
+            methods.append(Method(name, {"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total_tokens}))
+        elif name.startswith("tree:"):
+            tree_depth, tree_top_k, tree_total = (int(part) for part in name[5:].split("x"))
+            shape = {"tree_depth": tree_depth, "tree_top_k": tree_top_k, "tree_total_tokens": tree_total}
+            methods.append(Method(name, shape))
+        else:
+            raise ValueError(f"Unknown method {name!r}: use plain, prompt-lookup, chain, tree or tree:DxKxN.")
+    if methods[0].name != "plain":
+        raise ValueError("The first method must be `plain`: speedups and output checks are measured against it.")
+    return methods
+
+
+def load_prompt_set(name: str, tokenizer, target, limit: int | None, max_new_tokens: int) -> list[torch.Tensor]:
+    """Token ids `[1, L]` of each prompt of a set: a name from `PROMPT_SETS` or a JSONL file of
+    `{"prompt": ...}` / `{"turns": [...]}` records."""
+    if name == "mt-bench":
+        return [chat_input_ids(tokenizer, q["turns"][0]) for q in mt_bench_questions()[:limit]]
+    if name == "mt-bench-turn-2":  # second turns, after the target's own greedy answer to the first
+        prompts = []
+        for question in mt_bench_questions()[:limit]:
+            first = chat_input_ids(tokenizer, question["turns"][0])
+            answer = target.generate(first, max_new_tokens=max_new_tokens, do_sample=False)[0, first.shape[1] :]
+            messages = [
+                {"role": "user", "content": question["turns"][0]},
+                {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                {"role": "user", "content": question["turns"][1]},
+            ]
+            prompts.append(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True)["input_ids"]
+            )
+        return prompts
+    if name == "humaneval":
+        return [chat_input_ids(tokenizer, prompt) for prompt in humaneval_prompts()[:limit]]
+    records = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
+    texts = [record["prompt"] if "prompt" in record else record["turns"][0] for record in records]
+    return [chat_input_ids(tokenizer, text) for text in texts[:limit]]
+
+
+def acceptance_by_position(acceptance_lengths: list[int], depth: int) -> list[float | None]:
+    """n-α for n = 0..depth-1: the rate at which the n-th drafted token is accepted when the previous ones were."""
+    accepted = [length - 1 for length in acceptance_lengths]  # drafted tokens accepted per cycle
+    rates = []
+    for position in range(depth):
+        reached = sum(1 for count in accepted if count >= position)
+        rates.append(sum(1 for count in accepted if count > position) / reached if reached else None)
+    return rates
+
+
+def run_benchmark(
+    target,
+    tokenizer,
+    draft: Eagle3DraftModel,
+    prompt_sets: dict[str, list[torch.Tensor]],
+    methods: list[Method],
+    max_new_tokens: int,
+    repetitions: int,
+    sampling: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    from tqdm.auto import tqdm
+
+    base_kwargs = {"max_new_tokens": max_new_tokens, **(sampling or {"do_sample": False})}
+    greedy = not base_kwargs.get("do_sample", False)
+
+    def decode(method: Method, input_ids: torch.Tensor) -> tuple[float, torch.Tensor, Eagle3GenerationStats | None]:
+        assistant = {"assistant_model": draft} if method.is_eagle3 else {}
+        start = time.perf_counter()
+        output = target.generate(input_ids, **base_kwargs, **method.generate_kwargs, **assistant)
+        seconds = time.perf_counter() - start
+        return seconds, output, draft.generation_stats if method.is_eagle3 else None
+
+    for prompts in prompt_sets.values():  # warm-up: every method, every set
+        for method in methods:
+            decode(method, prompts[0])
+
+    records = []
+    bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), disable=not progress, desc="bench")
+    for set_name, prompts in prompt_sets.items():
+        for index, input_ids in enumerate(prompts):
+            times = {method.name: [] for method in methods}
+            outputs, stats = {}, {}
+            for _ in range(repetitions):
+                for method in methods:
+                    seconds, outputs[method.name], stats[method.name] = decode(method, input_ids)
+                    times[method.name].append(seconds)
+            plain_output = outputs["plain"]
+            for method in methods:
+                new_tokens = outputs[method.name].shape[1] - input_ids.shape[1]
+                record = {
+                    "set": set_name,
+                    "prompt": index,
+                    "method": method.name,
+                    "seconds": statistics.median(times[method.name]),
+                    "new_tokens": new_tokens,
+                    "identical_to_plain": torch.equal(outputs[method.name], plain_output),
+                }
+                if stats[method.name] is not None:
+                    run = stats[method.name]
+                    record.update(
+                        acceptance_lengths=run.acceptance_lengths,
+                        draft_seconds=run.draft_seconds,
+                        verify_seconds=run.verify_seconds,
+                        other_seconds=run.other_seconds,
+                        depth=run.settings.depth,
+                    )
+                records.append(record)
+            bar.update()
+    bar.close()
+    return summarise(records, methods, greedy)
+
+
+def summarise(records: list[dict], methods: list[Method], greedy: bool) -> dict:
+    """Per set and method: median speedup, tokens/s, τ, n-α, time split, greedy mismatches."""
+    summary = {}
+    for set_name in dict.fromkeys(record["set"] for record in records):
+        plain_seconds = {r["prompt"]: r["seconds"] for r in records if r["set"] == set_name and r["method"] == "plain"}
+        for method in methods:
+            rows = [r for r in records if r["set"] == set_name and r["method"] == method.name]
+            entry = {
+                "speedup": statistics.median(plain_seconds[r["prompt"]] / r["seconds"] for r in rows),
+                "tokens_per_second": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
+                "prompts": len(rows),
+                "greedy_mismatches": [r["prompt"] for r in rows if greedy and not r["identical_to_plain"]],
+            }
+            if method.is_eagle3:
+                lengths = [length for r in rows for length in r["acceptance_lengths"]]
+                cycles = len(lengths)
+                entry.update(
+                    tau=sum(lengths) / cycles,
+                    n_alpha=acceptance_by_position(lengths, rows[0]["depth"]),
+                    accepted_length_histogram={n: lengths.count(n) for n in sorted(set(lengths))},
+                    cycle_ms={part: 1000 * sum(r[f"{part}_seconds"] for r in rows) / cycles
+                              for part in ("draft", "verify", "other")},
+                )
+            summary.setdefault(set_name, {})[method.name] = entry
+    return {"summary": summary, "records": records}
+
+
+def markdown_table(summary: dict) -> str:
+    lines = [
+        "| set | method | speedup | tokens/s | τ | 0-α | 1-α | 2-α | draft / verify / other ms per cycle | greedy mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for set_name, methods in summary.items():
+        for name, entry in methods.items():
+            alphas = (entry.get("n_alpha") or [None] * 3)[:3] + [None] * 3
+            split = entry.get("cycle_ms")
+            lines.append(
+                f"| {set_name} | {name} | {entry['speedup']:.2f}x | {entry['tokens_per_second']:.1f} | "
+                + (f"{entry['tau']:.2f}" if "tau" in entry else "-")
+                + "".join(f" | {a:.2f}" if a is not None else " | -" for a in alphas[:3])
+                + (f" | {split['draft']:.1f} / {split['verify']:.1f} / {split['other']:.1f}" if split else " | -")
+                + f" | {len(entry['greedy_mismatches'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def save_plots(summary: dict, output_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    set_names = list(summary)
+    method_names = list(next(iter(summary.values())))
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / len(method_names)
+    for offset, method in enumerate(method_names):
+        speedups = [summary[s][method]["speedup"] for s in set_names]
+        axes[0].bar([i + offset * width for i in range(len(set_names))], speedups, width, label=method)
+    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(set_names))], set_names)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set(title="Speedup over plain generate (median)", ylabel="x")
+    axes[0].legend(fontsize=8)
+    for set_name in set_names:
+        for method, entry in summary[set_name].items():
+            if entry.get("n_alpha"):
+                rates = entry["n_alpha"]
+                axes[1].plot(range(len(rates)), [r if r is not None else float("nan") for r in rates], marker="o",
+                             label=f"{set_name} / {method}")
+                histogram = entry["accepted_length_histogram"]
+                axes[2].plot(list(histogram), [count / sum(histogram.values()) for count in histogram.values()],
+                             marker=".", label=f"{set_name} / {method}")
+    axes[1].set(title="n-α: acceptance of the n-th drafted token", xlabel="n", ylim=(0, 1))
+    axes[2].set(title="Tokens per target forward (distribution)", xlabel="tokens", ylabel="fraction of cycles")
+    axes[1].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(output_dir / "bench.png", dpi=120)
+    plt.close(figure)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from .demo import load_shipped_draft
+    from .smollm2 import load_smollm2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    if args.target == "smollm2":
+        target, tokenizer = load_smollm2(dtype=dtype, device=args.device)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    draft = (load_shipped_draft(dtype) if args.draft == "shipped"
+             else Eagle3DraftModel.from_pretrained(args.draft, dtype=dtype)).to(args.device).eval()
+    methods = methods_from_names(
+        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
+        args.tree_total_tokens or draft.config.tree_total_tokens,
+    )
+    prompt_sets = {name: load_prompt_set(name, tokenizer, target, args.limit, args.max_new_tokens)
+                   for name in args.prompts}
+    sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
+    result = run_benchmark(target, tokenizer, draft, prompt_sets, methods, args.max_new_tokens, args.repetitions,
+                           sampling)
+    result["settings"] = {key: value for key, value in vars(args).items() if key != "run"}
+    output_dir = Path(args.output)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    table = markdown_table(result["summary"])
+    (output_dir / "bench.md").write_text(table)
+    save_plots(result["summary"], output_dir)
+    print(table)
+    print(f"wrote {output_dir}/bench.json, bench.md, bench.png")
+
+
+def register_cli(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="Speedup and acceptance of EAGLE-3 vs plain and prompt lookup.")
+    parser.add_argument("--target", default="smollm2", help="model path / Hub id, or 'smollm2' (embedded)")
+    parser.add_argument("--draft", default="shipped", help="draft path / Hub id, or 'shipped'")
+    parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
+                        help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
+    parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
+                        help="plain (first), prompt-lookup, chain, tree, tree:DEPTHxTOPKxTOTAL")
+    parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tree-depth", type=int)
+    parser.add_argument("--tree-top-k", type=int)
+    parser.add_argument("--tree-total-tokens", type=int)
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--output", default="bench-results")
+    parser.set_defaults(run=_run)
