@@ -6,6 +6,7 @@ import importlib
 # Modules that define `register_cli(subparsers)`; each adds one sub-command whose handler is `args.run(args)`.
 COMMAND_MODULES = [
     "hf_eagle3.demo",
+    "hf_eagle3.bench",
     "conversion.cli",
     "hf_eagle3.hub",
     "hf_eagle3.data",
