@@ -65,11 +65,11 @@ class Eagle3Drafter:
         """Expand `settings.depth` levels below `root_token` (the last token the target produced, at position
         `root_position`) and keep the best `settings.total_tokens` candidates."""
         top_k, device = self.settings.top_k, self.root_logits.device
-        scores, draft_ids = self._children(self.root_logits[None], torch.zeros(1, device=device), top_k)  # [1, k]
-        candidate_tokens, candidate_scores = [draft_ids[0]], [scores[0]]
+        scores, draft_ids, probs = self._children(self.root_logits[None], torch.zeros(1, device=device), top_k)
+        candidate_tokens, candidate_scores = [draft_ids[0]], [scores[0]]  # [k] each
         candidate_parents = [torch.full((top_k,), -1, device=device)]
         candidate_depths = [torch.ones(top_k, dtype=torch.long, device=device)]
-        sampled_probs = [self._last_probs] if self.sample_chain else []
+        sampled_probs = [probs]
 
         frontier = torch.arange(top_k, device=device)  # candidate indices of the frontier
         frontier_scores, frontier_ids = scores[0], draft_ids[0]
@@ -92,13 +92,12 @@ class Eagle3Drafter:
                 attention_mask=visible[None, None],
                 cache=self.cache,
             )
-            child_scores, child_ids = self._children(output.logits[0], frontier_scores, top_k)  # [k, k]
+            child_scores, child_ids, probs = self._children(output.logits[0], frontier_scores, top_k)  # [k, k]
             candidate_tokens.append(child_ids.flatten())
             candidate_scores.append(child_scores.flatten())
             candidate_parents.append(frontier.repeat_interleave(top_k))
             candidate_depths.append(torch.full((top_k * top_k,), depth, device=device))
-            if self.sample_chain:
-                sampled_probs.append(self._last_probs)
+            sampled_probs.append(probs)
 
             best = select_frontier(child_scores, top_k)  # flat indices into [k, k]
             parent_slots = best // top_k
@@ -122,11 +121,11 @@ class Eagle3Drafter:
 
     def _children(
         self, logits: torch.Tensor, frontier_scores: torch.Tensor, top_k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores and draft ids `[F, top_k]` of the children of each frontier node, from its logits `[F, V_d]`."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Scores and draft ids `[F, top_k]` of the children of each frontier node, from its logits `[F, V_d]`;
+        for a sampled chain also the distribution `[V_d]` the child was drawn from."""
         if not self.sample_chain:
-            return expand(logits.float().log_softmax(-1), frontier_scores, top_k)
+            return *expand(logits.float().log_softmax(-1), frontier_scores, top_k), None
         probs = (logits.float() / self.temperature).softmax(-1)  # [1, V_d]
-        self._last_probs = probs[0]
         draft_ids = torch.multinomial(probs, 1)  # [1, 1]
-        return frontier_scores[:, None] + probs.gather(-1, draft_ids).log(), draft_ids
+        return frontier_scores[:, None] + probs.gather(-1, draft_ids).log(), draft_ids, probs[0]

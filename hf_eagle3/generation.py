@@ -145,7 +145,7 @@ class _TargetDistribution:
         """`[V]` processed scores after the last node of `path` (root first), given the prefix and the path."""
         path_tokens = self.tree.tokens[path[1:]][None]
         prefix = torch.cat([self.input_ids, path_tokens], dim=-1)
-        return self.logits_processor(prefix, self.logits[path[-1]][None])[0]
+        return self.logits_processor(prefix, self.logits[path[-1]][None].float())[0]
 
 
 def _accept(tree: DraftTree, logits: torch.Tensor, input_ids, logits_processor, do_sample: bool, drafter):
@@ -156,7 +156,7 @@ def _accept(tree: DraftTree, logits: torch.Tensor, input_ids, logits_processor, 
     """
     if not do_sample and len(logits_processor) == 0:
         path = greedy_accept(tree, logits.argmax(-1))
-        return path, logits[path[-1]].argmax(-1, keepdim=True), logits[path]
+        return path, logits[path[-1]].argmax(-1, keepdim=True), logits[path].float()
 
     target = _TargetDistribution(logits_processor, input_ids, tree, logits)
     path, path_scores = [0], []
@@ -236,7 +236,7 @@ def eagle3_decoding(
         prompt_positions = model_inputs.get("position_ids")
         if prompt_positions is None:
             prompt_positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        next_logits = outputs.logits[:, -1].float()
+        next_logits = outputs.logits[:, -1].float()  # [1, V]
         next_scores = logits_processor(input_ids, next_logits)
         if do_sample:
             next_token = torch.multinomial(next_scores.softmax(-1), 1)[0]
@@ -249,18 +249,19 @@ def eagle3_decoding(
     new_tokens, step_scores, step_logits = next_token, next_scores, next_logits
 
     while True:
-        # Emit, stopping exactly where plain decoding would.
-        finished = False
-        for i in range(new_tokens.numel()):
-            input_ids = torch.cat([input_ids, new_tokens[None, i : i + 1]], dim=-1)
+        # Emit, stopping exactly where plain decoding would: the criteria see each new token's prefix in turn.
+        extended, kept, finished = torch.cat([input_ids, new_tokens[None]], dim=-1), input_ids.shape[1], False
+        for token_scores, token_logits in zip(step_scores, step_logits):
+            kept += 1
             if scores is not None:
-                scores += (step_scores[i : i + 1],)
+                scores += (token_scores[None],)
             if raw_logits is not None:
-                raw_logits += (step_logits[i : i + 1],)
-            if stopping_criteria(input_ids, scores)[0]:
+                raw_logits += (token_logits[None],)
+            if stopping_criteria(extended[:, :kept], scores)[0]:
                 finished = True
-                new_tokens = new_tokens[: i + 1]
                 break
+        new_tokens = new_tokens[: kept - input_ids.shape[1]]
+        input_ids = extended[:, :kept]
         if streamer is not None:
             streamer.put(new_tokens.cpu())
         if finished:
@@ -278,10 +279,10 @@ def eagle3_decoding(
                 use_cache=True,
             )
         prefix_length = prefix_visible.numel()
-        logits = outputs.logits[0].float()  # [N + 1, V]
+        logits = outputs.logits[0]  # [N + 1, V], model dtype: argmax is exact, float32 only where scores are kept
         path, bonus, path_scores = _accept(tree, logits, input_ids, logits_processor, do_sample, drafter)
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus])
-        step_scores, step_logits = path_scores, logits[path]
+        step_scores, step_logits = path_scores, logits[path].float()
         stats.acceptance_lengths.append(new_tokens.numel())
 
         _keep_cache_entries(cache, prefix_length, path)
