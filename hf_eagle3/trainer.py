@@ -54,6 +54,7 @@ class TrainConfig:
     draft_vocab_size: int = 32000
     intermediate_size: int | None = None  # draft MLP width; default: the target's
     ttt_steps: int = 7
+    eval_ttt_steps: int = 7  # chained draft steps in held-out evaluation (n-α for n < this), whatever ttt_steps is
     step_decay: float = 0.8
     learning_rate: float = 5e-5
     warmup_steps: int = 100
@@ -383,6 +384,7 @@ def train(
     draft_token_ids = load_draft_vocabulary(vocabulary_path)
     draft = build_draft(draft_config, target, draft_token_ids, config.init_head_from_target).to(accelerator.device)
     ttt = TrainingTimeTest(draft, steps=config.ttt_steps, decay=config.step_decay)
+    held_out_ttt = TrainingTimeTest(draft, steps=config.eval_ttt_steps, decay=config.step_decay)  # same draft
 
     world_size, rank = accelerator.num_processes, accelerator.process_index
     lengths = [len(example.input_ids) for example in train_examples]
@@ -420,7 +422,7 @@ def train(
         accelerator.print(f"draft vocabulary: {config.draft_vocab_size} tokens cover {share:.1%} of the responses")
 
     def run_evaluation():
-        return evaluate(ttt, features, eval_examples, eval_batches, "eval", accelerator.autocast)
+        return evaluate(held_out_ttt, features, eval_examples, eval_batches, "eval", accelerator.autocast)
 
     pad_token_id = target.config.pad_token_id or 0
     batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])

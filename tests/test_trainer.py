@@ -159,6 +159,12 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(dataset, target
     assert Eagle3DraftModel.from_pretrained(latest_checkpoint(tmp_path)).config.draft_vocab_size == 64
 
 
+def test_held_out_evaluation_chains_eval_ttt_steps_whatever_the_training_steps(dataset, target, tmp_path):
+    train(config_for(dataset, tmp_path, ttt_steps=1, eval_ttt_steps=5, max_steps=2), target=target, progress=False)
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert len([entry["eval"] for entry in history if "eval" in entry][-1]["alpha"]) == 5
+
+
 def test_precomputed_features_match_online_ones(dataset, target, tmp_path):
     examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1]), Example([], [4, 6, 8], [0, 1, 1])]
     batch = collate(examples, [0, 1], pad_token_id=0)
