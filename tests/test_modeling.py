@@ -167,3 +167,12 @@ def test_missing_config_fields_are_errors_not_guesses():
     config = Eagle3Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4)  # no target_layer_ids
     with pytest.raises(ValueError, match="target_layer_ids"):
         check_compatibility(config, tiny_target())
+
+
+def test_untested_transformers_versions_are_refused_clearly():
+    from hf_eagle3.compatibility import check_transformers_version
+
+    check_transformers_version("5.24.0")
+    for version in ("5.23.0", "5.25.0", "4.57.1"):
+        with pytest.raises(ImportError, match="tested with transformers >=5.24.0,<5.25.0"):
+            check_transformers_version(version)
