@@ -86,6 +86,30 @@ def load_prompt_set(name: str, tokenizer, target, limit: int | None, max_new_tok
     return [chat_input_ids(tokenizer, text) for text in texts[:limit]]
 
 
+@torch.no_grad()
+def verification_cost(target, sizes: list[int], prefix_length: int = 200, repetitions: int = 7) -> dict[int, float]:
+    """Median seconds of one target forward over `n` new tokens after a cached `prefix_length`-token prefix, for each
+    `n` in `sizes` (interleaved repetitions after a warm-up of every size): what a tree of `n - 1` nodes costs."""
+    from transformers import DynamicCache
+
+    device = target.device
+    prefix = torch.randint(100, 1000, (1, prefix_length), device=device)
+    cache = DynamicCache()
+    target(prefix, cache=cache)
+    seconds = {n: [] for n in sizes}
+    for repetition in range(repetitions + 1):
+        for n in sizes:
+            tokens = torch.randint(100, 1000, (1, n), device=device)
+            start = time.perf_counter()
+            target(tokens, cache=cache, logits_to_keep=0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if repetition:  # the first round only warms up
+                seconds[n].append(time.perf_counter() - start)
+            cache.crop(-n)
+    return {n: statistics.median(times) for n, times in seconds.items()}
+
+
 def acceptance_by_position(acceptance_lengths: list[int], depth: int) -> list[float | None]:
     """n-α for n = 0..depth-1: the rate at which the n-th drafted token is accepted when the previous ones were."""
     accepted = [length - 1 for length in acceptance_lengths]  # drafted tokens accepted per cycle
@@ -254,6 +278,12 @@ def _run(args: argparse.Namespace) -> None:
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target)
+    if args.verification_cost:
+        costs = verification_cost(target, args.verification_cost)
+        print("| tokens verified | ms | x one decode step |\n|---|---|---|")
+        for n, seconds in costs.items():
+            print(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |")
+        return
     draft = (load_shipped_draft(dtype) if args.draft == "shipped"
              else Eagle3DraftModel.from_pretrained(args.draft, dtype=dtype)).to(args.device).eval()
     methods = methods_from_names(
@@ -294,5 +324,7 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--tree-top-k", type=int)
     parser.add_argument("--tree-total-tokens", type=int)
     parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--verification-cost", type=int, nargs="+", metavar="N",
+                        help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64) and exit")
     parser.add_argument("--output", default="bench-results")
     parser.set_defaults(run=_run)
