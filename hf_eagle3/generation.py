@@ -174,7 +174,7 @@ def _accept(tree: DraftTree, logits: torch.Tensor, input_ids, logits_processor, 
         probs = scores.softmax(-1)
         if child_nodes.numel() == 0:
             residual = probs
-        elif drafter.sample_chain:
+        elif drafter.sample_chain:  # a chain: node i was sampled from draft_probs[i - 1]
             child = int(child_nodes[0])
             draft_probs = torch.zeros_like(probs).index_add_(
                 0, drafter.draft_to_target, drafter.draft_probs[child - 1].to(probs.dtype)
