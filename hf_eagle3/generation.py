@@ -155,8 +155,10 @@ def _accept(tree: DraftTree, logits: torch.Tensor, input_ids, logits_processor, 
     processed scores `[m, V]` that produced the `m` emitted tokens.
     """
     if not do_sample and len(logits_processor) == 0:
-        path = greedy_accept(tree, logits.argmax(-1))
-        return path, logits[path[-1]].argmax(-1, keepdim=True), logits[path].float()
+        # `max(-1).indices` is argmax with the same first-index tie rule, several times faster on bf16 CPU tensors
+        target_choices = logits.max(-1).indices  # [N + 1]
+        path = greedy_accept(tree, target_choices)
+        return path, target_choices[path[-1], None], logits[path].float()
 
     target = _TargetDistribution(logits_processor, input_ids, tree, logits)
     path, path_scores = [0], []
