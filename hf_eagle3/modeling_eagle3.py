@@ -178,8 +178,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.post_init()
         self._target_embedding_attached = not config.share_target_embedding
-        if config.share_target_embedding:
+        if config.share_target_embedding:  # the target's embedding: neither saved nor expected in checkpoints
             self._keys_to_ignore_on_save = {"embed_tokens.weight"}
+            self._keys_to_ignore_on_load_missing = {r"^embed_tokens\.weight$"}
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

@@ -67,15 +67,16 @@ def test_a_checkpoint_carrying_its_own_embedding_saves_and_loads_it(tmp_path):
     assert torch.equal(loaded.embed_tokens.weight, draft.embed_tokens.weight)
 
 
-def test_loading_an_incomplete_checkpoint_is_refused(tmp_path):
+@pytest.mark.parametrize("missing", ["lm_head.weight", "embed_tokens.weight", "d2t"])
+def test_loading_an_incomplete_checkpoint_is_refused(tmp_path, missing):
     from safetensors.torch import save_file
 
-    draft = tiny_draft(share_target_embedding=False)
+    draft = tiny_draft(share_target_embedding=False)  # so its checkpoint must carry the embedding
     draft.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
-    del state["lm_head.weight"]
+    del state[missing]
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="lm_head.weight"):
+    with pytest.raises(ValueError, match=missing):
         Eagle3DraftModel.from_pretrained(tmp_path)
 
 
