@@ -73,7 +73,7 @@ class TrainConfig:
     eval_batches: int | None = None  # cap on evaluation batches (None: all)
     log_every: int = 10
     init_head_from_target: bool = True  # lm_head / norm start as the target's rows for the draft vocabulary
-    precompute_features: str | None = None  # directory of precomputed target features
+    precompute_features: str | None = None  # directory of precomputed target features (one per dataset and split)
     threads: int | None = None  # torch CPU threads
     save_dtype: str = "float32"  # dtype of the final draft in output_dir/draft (e.g. "bfloat16" to ship it)
 
