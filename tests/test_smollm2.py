@@ -1,7 +1,7 @@
 """Integration on the real embedded target, SmolLM2-135M-Instruct (float32, offline).
 
 `HF_EAGLE3_FULL_CHECK=1` runs the full losslessness check of the issue (60 prompts: 30 MT-bench first turns and 30
-HumanEval prompts, 128 new tokens, tree and chain); the default CI run takes 6 prompts and 64 new tokens.
+HumanEval prompts, 128 new tokens, tree and chain); the default CI run takes 6 prompts and 48 new tokens.
 """
 
 import os
@@ -16,7 +16,7 @@ from hf_eagle3.smollm2 import load_smollm2
 
 pytestmark = pytest.mark.slow
 FULL = os.environ.get("HF_EAGLE3_FULL_CHECK") == "1"
-PROMPTS_PER_SET, NEW_TOKENS = (30, 128) if FULL else (3, 64)
+PROMPTS_PER_SET, NEW_TOKENS = (30, 128) if FULL else (3, 48)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,7 @@ def _random_draft(target) -> Eagle3DraftModel:
         num_attention_heads=text.num_attention_heads,
         num_key_value_heads=text.num_key_value_heads,
         target_num_hidden_layers=text.num_hidden_layers,
+        tree_total_tokens=24,  # a random draft accepts nothing: keep its float32 verification affordable
     )
     return Eagle3DraftModel(config).eval()
 
@@ -54,6 +55,7 @@ def test_embedded_target_loads_offline_and_chats(smollm2):
     assert "Paris" in answer
 
 
+@pytest.mark.timeout(3600)
 def test_greedy_eagle3_equals_plain_generate_on_mt_bench_and_humaneval(smollm2):
     target, tokenizer = smollm2
     prompts = mt_bench_first_turns()[:PROMPTS_PER_SET] + humaneval_prompts()[:PROMPTS_PER_SET]
