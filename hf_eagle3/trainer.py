@@ -340,7 +340,8 @@ def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
 
 def _split_examples(config: TrainConfig) -> tuple[list[Example], list[Example]]:
     examples = load_dataset(config.data)
-    examples = [Example(e.messages, e.input_ids[: config.max_length], e.loss_mask[: config.max_length]) for e in examples]
+    cap = config.max_length
+    examples = [Example(e.messages, e.input_ids[:cap], e.loss_mask[:cap]) for e in examples]
     if config.eval_data is not None:
         return examples, load_dataset(config.eval_data)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
@@ -394,7 +395,8 @@ def train(
             f"{len(train_examples)} training conversations make {rounds_per_epoch} batch rounds per epoch, fewer than "
             f"--gradient-accumulation-steps {config.gradient_accumulation_steps}: use more data or smaller batches."
         )
-    total_steps = config.max_steps or max(1, int(config.epochs * rounds_per_epoch) // config.gradient_accumulation_steps)
+    accumulation = config.gradient_accumulation_steps
+    total_steps = config.max_steps or max(1, int(config.epochs * rounds_per_epoch) // accumulation)
     optimizer = torch.optim.AdamW(
         [p for p in draft.parameters() if p.requires_grad],
         lr=config.learning_rate,
@@ -426,13 +428,14 @@ def train(
 
     pad_token_id = target.config.pad_token_id or 0
     batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
-    bar = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not (progress and accelerator.is_main_process))
+    show_progress = progress and accelerator.is_main_process
+    bar = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
     ttt.train()
     while state["step"] < total_steps:
         started = time.perf_counter()
         step_tokens = torch.zeros((), dtype=torch.long)
         step_metrics = None
-        for micro_step in range(config.gradient_accumulation_steps):
+        for micro_step in range(accumulation):
             if state["round"] >= rounds_per_epoch:
                 state["epoch"], state["round"] = state["epoch"] + 1, 0
                 batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
@@ -440,12 +443,14 @@ def train(
             state["round"] += 1
             target_features, target_logits = features(batch, "train")
             device = target_features.device
-            last_micro_step = micro_step == config.gradient_accumulation_steps - 1
+            last_micro_step = micro_step == accumulation - 1
             with accelerator.no_sync(ttt) if not last_micro_step else nullcontext(), accelerator.autocast():
-                output = ttt(batch["input_ids"].to(device), target_features, target_logits, batch["loss_mask"].to(device))
-                accelerator.backward(output.loss / config.gradient_accumulation_steps)
+                input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
+                output = ttt(input_ids, target_features, target_logits, loss_mask)
+                accelerator.backward(output.loss / accumulation)
             step_tokens += batch["num_tokens"]
-            metrics = torch.stack([output.loss.detach().float(), *(output.step_correct / output.step_counts.clamp(min=1))])
+            accuracies = output.step_correct / output.step_counts.clamp(min=1)
+            metrics = torch.stack([output.loss.detach().float(), *accuracies])
             step_metrics = metrics if step_metrics is None else step_metrics + metrics
         accelerator.clip_grad_norm_(ttt.parameters(), config.max_grad_norm)
         optimizer.step()
@@ -455,7 +460,7 @@ def train(
         state["tokens"] += int(accelerator.reduce(step_tokens.to(accelerator.device), "sum"))
         state["train_seconds"] += time.perf_counter() - started
 
-        step_metrics = accelerator.reduce(step_metrics.to(accelerator.device), "mean") / config.gradient_accumulation_steps
+        step_metrics = accelerator.reduce(step_metrics.to(accelerator.device), "mean") / accumulation
         loss, accuracies = step_metrics[0].item(), step_metrics[1:].tolist()
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies),

@@ -1,4 +1,4 @@
-"""Training-time test (TTT): the EAGLE-3 training loss, unrolled over `S` simulated draft steps (arXiv:2503.01840 §3.2).
+"""Training-time test (TTT): the EAGLE-3 training loss, unrolled over `S` draft steps (arXiv:2503.01840 §3.2).
 
 Alignment (the same as `Eagle3DraftModel` at inference). A training sequence holds tokens `t_0 .. t_{T-1}`; one
 target forward gives, at every position `j`, the fused feature `g_j` (target hidden states at `target_layer_ids`) and

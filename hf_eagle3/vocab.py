@@ -16,7 +16,8 @@ from .data import Example
 
 
 def count_response_tokens(examples: Iterable[Example], vocab_size: int) -> torch.Tensor:
-    """How often each target token id occurs in the assistant tokens (`loss_mask == 1`) of `examples`, `[vocab_size]`."""
+    """How often each target token id occurs in the assistant tokens (`loss_mask == 1`) of `examples`,
+    `[vocab_size]`."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for example in examples:
         ids = torch.tensor(example.input_ids, dtype=torch.long)[torch.tensor(example.loss_mask, dtype=torch.bool)]

@@ -81,7 +81,7 @@ def test_malformed_records_are_skipped_with_a_count(tmp_path):
         json.dumps({"conversations": [{"from": "gpt", "value": "starts with the assistant"}]}),
         json.dumps(["not a turn"]),
         json.dumps(conversation("bare list of messages", "fine")),
-        json.dumps({"messages": conversation("cut at the broken turn", "yes") + [{"role": "assistant", "content": "x"}]}),
+        json.dumps({"messages": [*conversation("cut at the broken turn", "yes"), conversation("x", "again")[1]]}),
         "",
     ]
     path = tmp_path / "chat.jsonl"
@@ -120,7 +120,8 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
 
 def test_length_cap_cuts_and_drops_conversations_without_assistant_tokens(tokenizer):
     messages = conversation("How can I help you today? " * 4, "The quick fox.")
-    prompt_length = len(tokenizer(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True))["input_ids"])
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    prompt_length = len(tokenizer(prompt)["input_ids"])
     input_ids, loss_mask = tokenize_conversation(tokenizer, messages, max_length=prompt_length + 2)
     assert len(input_ids) == prompt_length + 2 and sum(loss_mask) == 2
     assert tokenize_conversation(tokenizer, messages, max_length=prompt_length) is None

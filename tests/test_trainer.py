@@ -42,7 +42,9 @@ def dataset(tmp_path_factory, target):
     torch.manual_seed(0)
     prompts = torch.randint(1, VOCAB, (48, 6))
     with torch.no_grad():
-        sequences = target.generate(prompts, max_new_tokens=26, do_sample=False, attention_mask=torch.ones_like(prompts))
+        sequences = target.generate(
+            prompts, max_new_tokens=26, do_sample=False, attention_mask=torch.ones_like(prompts)
+        )
     with open(directory / "shard-00000.jsonl", "w") as file:
         for sequence in sequences.tolist():
             file.write(json.dumps({"messages": [], "input_ids": sequence, "loss_mask": [0] * 6 + [1] * 26}) + "\n")
