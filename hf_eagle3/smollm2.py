@@ -38,6 +38,7 @@ def _build_cache(target_dir: Path) -> None:
     # The GGUF-loaded model refuses `save_pretrained`: rebuild a plain Llama from its config and weights.
     config = quantized.config
     config.name_or_path = SMOLLM2_NAME
+    del config.quantization_config  # the GGUF loader's record; the rebuilt weights are plain float32
     model = LlamaForCausalLM(config)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
