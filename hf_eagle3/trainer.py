@@ -31,12 +31,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
+from .compatibility import check_compatibility
 from .configuration_eagle3 import Eagle3Config
 from .data import Example, load_dataset, load_target_model
 from .modeling_eagle3 import Eagle3DraftModel
 from .smollm2 import SMOLLM2_NAME
 from .ttt import TrainingTimeTest
-from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary
+from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary, save_draft_vocabulary
 
 CHECKPOINT_PREFIX = "checkpoint-"
 DRAFT_VOCABULARY_FILE = "draft_vocab.safetensors"
@@ -73,6 +74,8 @@ class TrainConfig:
     eval_batches: int | None = None  # cap on evaluation batches (None: all)
     log_every: int = 10
     init_head_from_target: bool = True  # lm_head / norm start as the target's rows for the draft vocabulary
+    init_draft: str | None = None  # start from this trained draft (weights and draft vocabulary), e.g. to continue a
+    # 1-step run with TTT steps or to fine-tune a released draft on new data; its shape wins over the size fields
     precompute_features: str | None = None  # directory of precomputed target features (one per dataset and split)
     threads: int | None = None  # torch CPU threads
     save_dtype: str = "float32"  # dtype of the final draft in output_dir/draft (e.g. "bfloat16" to ship it)
@@ -205,6 +208,18 @@ def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: 
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[draft.draft_to_target])
             draft.norm.weight.copy_(target.model.norm.weight)
     return draft
+
+
+def load_initial_draft(config: TrainConfig, target: PreTrainedModel) -> Eagle3DraftModel:
+    """The trained draft `config.init_draft` (float32), checked against the target and the run's vocabulary size."""
+    initial = Eagle3DraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
+    check_compatibility(initial.config, target)
+    if initial.config.draft_vocab_size != config.draft_vocab_size:
+        raise ValueError(
+            f"--init-draft {config.init_draft} has a draft vocabulary of {initial.config.draft_vocab_size} tokens, the "
+            f"run asks for {config.draft_vocab_size}: pass --draft-vocab-size {initial.config.draft_vocab_size}."
+        )
+    return initial
 
 
 def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtype) -> None:
@@ -377,13 +392,25 @@ def train(
         target = load_target_model(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
     target.requires_grad_(False)
     train_examples, eval_examples = _split_examples(config)
-    draft_config = draft_config_for(target, config.target, config.draft_vocab_size, config.intermediate_size)
     vocabulary_path = output_dir / DRAFT_VOCABULARY_FILE
+    initial_draft = load_initial_draft(config, target) if config.init_draft is not None else None
+    if initial_draft is None:
+        draft_config = draft_config_for(target, config.target, config.draft_vocab_size, config.intermediate_size)
+    else:
+        draft_config = initial_draft.config
+        if accelerator.is_main_process and not vocabulary_path.exists():
+            save_draft_vocabulary(vocabulary_path, initial_draft.draft_to_target)
     if accelerator.is_main_process:
         draft_vocabulary_for_run(vocabulary_path, train_examples, config.draft_vocab_size, draft_config.vocab_size)
     accelerator.wait_for_everyone()
     draft_token_ids = load_draft_vocabulary(vocabulary_path)
-    draft = build_draft(draft_config, target, draft_token_ids, config.init_head_from_target).to(accelerator.device)
+    init_head = config.init_head_from_target and initial_draft is None
+    draft = build_draft(draft_config, target, draft_token_ids, init_head)
+    if initial_draft is not None:
+        if not torch.equal(draft_token_ids, initial_draft.draft_to_target):
+            raise ValueError(f"{vocabulary_path} is not the draft vocabulary of --init-draft {config.init_draft}.")
+        draft.load_state_dict(trainable_state_dict(initial_draft), strict=False)
+    draft.to(accelerator.device)
     ttt = TrainingTimeTest(draft, steps=config.ttt_steps, decay=config.step_decay)
     held_out_ttt = TrainingTimeTest(draft, steps=config.eval_ttt_steps, decay=config.step_decay)  # same draft
 
@@ -540,4 +567,5 @@ __all__ = [
     "latest_checkpoint",
     "plot_history",
     "train",
+    "trainable_state_dict",
 ]

@@ -21,6 +21,7 @@ from hf_eagle3.trainer import (
     epoch_batches,
     latest_checkpoint,
     train,
+    trainable_state_dict,
 )
 from hf_eagle3.data import Example
 
@@ -165,6 +166,21 @@ def test_held_out_evaluation_chains_eval_ttt_steps_whatever_the_training_steps(d
     train(config_for(dataset, tmp_path, ttt_steps=1, eval_ttt_steps=5, max_steps=2), target=target, progress=False)
     history = json.loads((tmp_path / "history.json").read_text())
     assert len([entry["eval"] for entry in history if "eval" in entry][-1]["alpha"]) == 5
+
+
+def test_init_draft_continues_from_a_trained_draft_and_its_vocabulary(dataset, target, tmp_path):
+    train(config_for(dataset, tmp_path / "first", ttt_steps=1, max_steps=4), target=target, progress=False)
+    first = Eagle3DraftModel.from_pretrained(tmp_path / "first" / "draft")
+    config = config_for(dataset, tmp_path / "second", init_draft=str(tmp_path / "first" / "draft"), learning_rate=0.0)
+    train(config, target=target, progress=False)  # learning rate 0: the weights must come through unchanged
+    second = Eagle3DraftModel.from_pretrained(tmp_path / "second" / "draft")
+    assert torch.equal(second.d2t, first.d2t)
+    for name, tensor in trainable_state_dict(first).items():  # the target's embedding is not saved with the draft
+        assert torch.equal(second.state_dict()[name], tensor), name
+
+    with pytest.raises(ValueError, match="--draft-vocab-size 64"):
+        train(config_for(dataset, tmp_path / "third", init_draft=str(tmp_path / "first" / "draft"),
+                         draft_vocab_size=32), target=target, progress=False)
 
 
 def test_precomputed_features_match_online_ones(dataset, target, tmp_path):

@@ -1,0 +1,89 @@
+"""`hf-eagle3 bench` on a tiny target: every figure of the report, the per-prompt records, mismatch diagnosis."""
+
+import json
+
+import pytest
+import torch
+
+from hf_eagle3.bench import (
+    acceptance_by_position,
+    first_divergence,
+    markdown_table,
+    methods_from_names,
+    run_benchmark,
+    save_plots,
+    verification_cost,
+)
+
+
+def test_methods_from_names():
+    methods = methods_from_names(["plain", "prompt-lookup", "chain", "tree", "tree:3x2x5"], 4, 3, 12)
+    assert [m.name for m in methods] == ["plain", "prompt-lookup", "chain", "tree", "tree:3x2x5"]
+    assert methods[2].generate_kwargs == {"tree_depth": 4, "tree_top_k": 1, "tree_total_tokens": 4}
+    assert methods[4].generate_kwargs == {"tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5}
+    assert [m.is_eagle3 for m in methods] == [False, False, True, True, True]
+    with pytest.raises(ValueError, match="first method must be `plain`"):
+        methods_from_names(["tree", "plain"], 4, 3, 12)
+    with pytest.raises(ValueError, match="Unknown method 'beam'"):
+        methods_from_names(["plain", "beam"], 4, 3, 12)
+
+
+def test_acceptance_by_position():
+    # cycles emitting 1, 2, 3 and 3 tokens: drafted tokens accepted 0, 1, 2, 2
+    assert acceptance_by_position([1, 2, 3, 3], 3) == [0.75, 2 / 3, 0.0]
+    assert acceptance_by_position([1, 1], 2) == [0.0, None]
+
+
+def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fitted_draft, tmp_path):
+    torch.manual_seed(0)
+    prompts = {"set-a": [torch.randint(1, 90, (1, 7)) for _ in range(2)], "set-b": [torch.randint(1, 90, (1, 5))]}
+    methods = methods_from_names(["plain", "prompt-lookup", "chain", "tree:3x3x8"], 3, 3, 8)
+    records_path = tmp_path / "records.jsonl"
+    result = run_benchmark(llama_target, fitted_draft, prompts, methods, max_new_tokens=12, repetitions=2,
+                           progress=False, records_path=records_path)
+
+    records = [json.loads(line) for line in records_path.read_text().splitlines()]
+    assert len(records) == 3 * 4 and records == json.loads(json.dumps(result["records"]))
+    assert all(r["identical_to_plain"] and r["new_tokens"] == 12 for r in records)  # float32: exact
+    summary = result["summary"]
+    assert list(summary) == ["set-a", "set-b"]
+    for entry in summary["set-a"].values():
+        assert entry["prompts"] == 2 and entry["speedup"] > 0 and entry["tokens_per_second"] > 0
+        assert entry["greedy_mismatches"] == [] and entry["near_tie_mismatches"] == []
+    tree = summary["set-a"]["tree:3x3x8"]
+    cycles = sum(tree["accepted_length_histogram"].values())
+    assert 1 <= tree["tau"] <= 4 and len(tree["n_alpha"]) == 3
+    assert sum(n * count for n, count in tree["accepted_length_histogram"].items()) == 2 * 12 - 2  # the prefill
+    assert tree["tau"] == pytest.approx((2 * 12 - 2) / cycles)  # token of each prompt comes from no cycle
+    assert set(tree["cycle_ms"]) == {"draft", "verify", "other"}
+
+    table = markdown_table(summary)
+    assert table.count("\n") == 2 + 2 * 4 and "| set-a | tree:3x3x8 |" in table and "| 0 (0) |" in table
+    save_plots(summary, tmp_path)
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_first_divergence_measures_both_logit_gaps(llama_target):
+    input_ids = torch.randint(1, 90, (1, 6))
+
+    def plain_generate(plain, **extra):  # a "method" that is plain decoding itself
+        return llama_target.generate(input_ids, max_new_tokens=8, do_sample=False, **extra)
+
+    plain_output = plain_generate(True)
+    scores = plain_generate(True, output_scores=True, return_dict_in_generate=True).scores
+    runner_up = int(scores[3][0].topk(2).indices[1])
+    other = plain_output.clone()
+    other[0, 6 + 3] = runner_up
+    divergence = first_divergence(plain_generate, input_ids, plain_output, other)
+    expected_gap = float(scores[3][0].max() - scores[3][0][runner_up])
+    assert divergence["position"] == 3 and divergence["token"] == runner_up
+    assert divergence["plain_gap"] == pytest.approx(expected_gap) and expected_gap > 0
+    assert divergence["disagreement"] == pytest.approx(0.0)  # the same computation on both sides
+
+    prefix = first_divergence(plain_generate, input_ids, plain_output, plain_output[:, :-2])
+    assert prefix["position"] == 6 and prefix["disagreement"] is None  # a stopping difference: never a near-tie
+
+
+def test_verification_cost_times_every_size(llama_target):
+    costs = verification_cost(llama_target, [1, 4, 8], prefix_length=16, repetitions=2)
+    assert list(costs) == [1, 4, 8] and all(seconds > 0 for seconds in costs.values())
