@@ -130,25 +130,22 @@ def acceptance_by_position(acceptance_lengths: list[int], depth: int) -> list[fl
     return rates
 
 
-@torch.no_grad()
-def first_divergence(generate, input_ids: torch.Tensor, plain_output: torch.Tensor, output: torch.Tensor) -> dict:
-    """Where greedy `output` leaves `plain_output`, and both runs' logit gaps between the two tokens there.
+def first_divergence(plain_output, output, prompt_length: int) -> dict:
+    """Where greedy `output` leaves `plain_output` (both `GenerateDecoderOnlyOutput`s with `scores`), and each run's
+    logit gap between the two tokens there.
 
-    `generate(**extra)` repeats a run (plain when `plain=True`) with `extra` generate arguments. `plain_gap` is how
-    much plain decoding's logits preferred its token, `method_gap` how much the method's preferred its own; their sum
-    is the amount by which the two computations disagree (`None` when one output is a prefix of the other).
+    `plain_gap` is how much plain decoding's logits preferred its token, `method_gap` how much the method's preferred
+    its own; their sum is the amount by which the two computations disagree (`None` when one output is a prefix of
+    the other: a difference in stopping, never a near-tie).
     """
-    prompt_length = input_ids.shape[1]
-    plain_tokens, tokens = plain_output[0, prompt_length:], output[0, prompt_length:]
+    plain_tokens, tokens = plain_output.sequences[0, prompt_length:], output.sequences[0, prompt_length:]
     common = min(len(plain_tokens), len(tokens))
     differing = (plain_tokens[:common] != tokens[:common]).nonzero()
     if len(differing) == 0:
         return {"position": common, "plain_gap": None, "method_gap": None, "disagreement": None}
     position = int(differing[0])
     plain_token, token = int(plain_tokens[position]), int(tokens[position])
-    scores = {"output_scores": True, "return_dict_in_generate": True}
-    plain_logits = generate(plain=True, **scores).scores[position][0].float()
-    method_logits = generate(plain=False, **scores).scores[position][0].float()
+    plain_logits, method_logits = plain_output.scores[position][0].float(), output.scores[position][0].float()
     plain_gap = float(plain_logits[plain_token] - plain_logits[token])
     method_gap = float(method_logits[token] - method_logits[plain_token])
     return {"position": position, "plain_token": plain_token, "token": token, "plain_gap": plain_gap,
@@ -174,11 +171,13 @@ def run_benchmark(
     greedy = not base_kwargs.get("do_sample", False)
 
     near_tie = NEAR_TIE_LOGITS.get(target.dtype, 1e-3)
+    if greedy:  # every method keeps its scores (a reference per token), so a mismatch can be diagnosed unrerun
+        base_kwargs.update(return_dict_in_generate=True, output_scores=True)
 
-    def decode(method: Method, input_ids: torch.Tensor, **extra):
+    def decode(method: Method, input_ids: torch.Tensor):
         assistant = {"assistant_model": draft} if method.is_eagle3 else {}
         start = time.perf_counter()
-        output = target.generate(input_ids, **base_kwargs, **method.generate_kwargs, **assistant, **extra)
+        output = target.generate(input_ids, **base_kwargs, **method.generate_kwargs, **assistant)
         seconds = time.perf_counter() - start
         return seconds, output, draft.generation_stats if method.is_eagle3 else None
 
@@ -196,22 +195,20 @@ def run_benchmark(
                 for method in methods:
                     seconds, outputs[method.name], stats[method.name] = decode(method, input_ids)
                     times[method.name].append(seconds)
+            sequences = {name: output.sequences if greedy else output for name, output in outputs.items()}
             plain_output = outputs["plain"]
             for method in methods:
-                new_tokens = outputs[method.name].shape[1] - input_ids.shape[1]
+                new_tokens = sequences[method.name].shape[1] - input_ids.shape[1]
                 record = {
                     "set": set_name,
                     "prompt": index,
                     "method": method.name,
                     "seconds": statistics.median(times[method.name]),
                     "new_tokens": new_tokens,
-                    "identical_to_plain": torch.equal(outputs[method.name], plain_output),
+                    "identical_to_plain": torch.equal(sequences[method.name], sequences["plain"]),
                 }
-                if greedy and not record["identical_to_plain"]:  # untimed reruns with scores, to say why
-                    def rerun(plain: bool, **extra):
-                        return decode(methods[0] if plain else method, input_ids, **extra)[1]
-
-                    divergence = first_divergence(rerun, input_ids, plain_output, outputs[method.name])
+                if greedy and not record["identical_to_plain"]:
+                    divergence = first_divergence(plain_output, outputs[method.name], input_ids.shape[1])
                     disagreement = divergence["disagreement"]
                     divergence["near_tie"] = disagreement is not None and disagreement <= near_tie
                     record["divergence"] = divergence

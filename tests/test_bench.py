@@ -1,5 +1,6 @@
 """`hf-eagle3 bench` on a tiny target: every figure of the report, the per-prompt records, mismatch diagnosis."""
 
+import copy
 import json
 
 import pytest
@@ -65,23 +66,22 @@ def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fit
 
 def test_first_divergence_measures_both_logit_gaps(llama_target):
     input_ids = torch.randint(1, 90, (1, 6))
-
-    def plain_generate(plain, **extra):  # a "method" that is plain decoding itself
-        return llama_target.generate(input_ids, max_new_tokens=8, do_sample=False, **extra)
-
-    plain_output = plain_generate(True)
-    scores = plain_generate(True, output_scores=True, return_dict_in_generate=True).scores
-    runner_up = int(scores[3][0].topk(2).indices[1])
-    other = plain_output.clone()
-    other[0, 6 + 3] = runner_up
-    divergence = first_divergence(plain_generate, input_ids, plain_output, other)
-    expected_gap = float(scores[3][0].max() - scores[3][0][runner_up])
+    plain = llama_target.generate(input_ids, max_new_tokens=8, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)
+    runner_up = int(plain.scores[3][0].topk(2).indices[1])
+    other = copy.deepcopy(plain)  # a "method" that took the runner-up at step 3, with the same logits
+    other.sequences[0, 6 + 3] = runner_up
+    divergence = first_divergence(plain, other, prompt_length=6)
+    expected_gap = float(plain.scores[3][0].max() - plain.scores[3][0][runner_up])
     assert divergence["position"] == 3 and divergence["token"] == runner_up
     assert divergence["plain_gap"] == pytest.approx(expected_gap) and expected_gap > 0
-    assert divergence["disagreement"] == pytest.approx(0.0)  # the same computation on both sides
+    assert divergence["method_gap"] == pytest.approx(-expected_gap)
+    assert divergence["disagreement"] == pytest.approx(0.0)
 
-    prefix = first_divergence(plain_generate, input_ids, plain_output, plain_output[:, :-2])
-    assert prefix["position"] == 6 and prefix["disagreement"] is None  # a stopping difference: never a near-tie
+    prefix = copy.deepcopy(plain)
+    prefix.sequences = plain.sequences[:, :-2]
+    stopped = first_divergence(plain, prefix, prompt_length=6)
+    assert stopped["position"] == 6 and stopped["disagreement"] is None  # a stopping difference: never a near-tie
 
 
 def test_verification_cost_times_every_size(llama_target):
