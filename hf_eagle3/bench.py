@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from .generation import Eagle3GenerationStats
 from .modeling_eagle3 import Eagle3DraftModel
 from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
 
@@ -171,7 +170,7 @@ def run_benchmark(
     greedy = not base_kwargs.get("do_sample", False)
 
     near_tie = NEAR_TIE_LOGITS.get(target.dtype, 1e-3)
-    if greedy:  # every method keeps its scores (a reference per token), so a mismatch can be diagnosed unrerun
+    if greedy:  # every method keeps its scores alike, so a mismatch is diagnosed without a rerun
         base_kwargs.update(return_dict_in_generate=True, output_scores=True)
 
     def decode(method: Method, input_ids: torch.Tensor):
