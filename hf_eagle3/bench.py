@@ -27,6 +27,7 @@ import torch
 
 from .modeling_eagle3 import Eagle3DraftModel
 from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
+from .tree_sizing import verification_cost
 
 PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval")
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
@@ -92,31 +93,6 @@ def load_prompt_set(name: str, tokenizer, target, limit: int | None, max_new_tok
     records = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
     texts = [record["prompt"] if "prompt" in record else record["turns"][0] for record in records]
     return [chat_input_ids(tokenizer, text) for text in texts[:limit]]
-
-
-@torch.no_grad()
-def verification_cost(target, sizes: list[int], prefix_length: int = 200, repetitions: int = 7) -> dict[int, float]:
-    """Median seconds of one target forward over `n` new tokens after a cached `prefix_length`-token prefix, for each
-    `n` in `sizes` (interleaved repetitions after a warm-up of every size): what a tree of `n - 1` nodes costs."""
-    from transformers import DynamicCache
-
-    device = target.device
-    vocab_size = target.config.vocab_size
-    prefix = torch.randint(0, vocab_size, (1, prefix_length), device=device)
-    cache = DynamicCache()
-    target(prefix, cache=cache)
-    seconds = {n: [] for n in sizes}
-    for repetition in range(repetitions + 1):
-        for n in sizes:
-            tokens = torch.randint(0, vocab_size, (1, n), device=device)
-            start = time.perf_counter()
-            target(tokens, cache=cache, logits_to_keep=0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if repetition:  # the first round only warms up
-                seconds[n].append(time.perf_counter() - start)
-            cache.crop(-n)
-    return {n: statistics.median(times) for n, times in seconds.items()}
 
 
 def acceptance_by_position(acceptance_lengths: list[int], depth: int) -> list[float | None]:
@@ -312,7 +288,8 @@ def save_plots(summary: dict, output_dir: Path) -> None:
     plt.close(figure)
 
 
-def _run(args: argparse.Namespace) -> None:
+def load_models(args: argparse.Namespace):
+    """(target, tokenizer, draft) from the `add_model_arguments` options, with the torch thread count set."""
     from .demo import load_shipped_draft
     from .smollm2 import load_smollm2
 
@@ -326,14 +303,27 @@ def _run(args: argparse.Namespace) -> None:
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target)
+    draft = (load_shipped_draft(dtype) if args.draft == "shipped"
+             else Eagle3DraftModel.from_pretrained(args.draft, dtype=dtype)).to(args.device).eval()
+    return target, tokenizer, draft
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2", help="model path / Hub id, or 'smollm2' (embedded)")
+    parser.add_argument("--draft", default="shipped", help="draft path / Hub id, or 'shipped'")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _run(args: argparse.Namespace) -> None:
+    target, tokenizer, draft = load_models(args)
     if args.verification_cost:
         costs = verification_cost(target, args.verification_cost)
         print("| tokens verified | ms | x one decode step |\n|---|---|---|")
         for n, seconds in costs.items():
             print(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |")
         return
-    draft = (load_shipped_draft(dtype) if args.draft == "shipped"
-             else Eagle3DraftModel.from_pretrained(args.draft, dtype=dtype)).to(args.device).eval()
     methods = methods_from_names(
         args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
         args.tree_total_tokens or draft.config.tree_total_tokens,
@@ -358,8 +348,7 @@ def _run(args: argparse.Namespace) -> None:
 
 def register_cli(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="Speedup and acceptance of EAGLE-3 vs plain and prompt lookup.")
-    parser.add_argument("--target", default="smollm2", help="model path / Hub id, or 'smollm2' (embedded)")
-    parser.add_argument("--draft", default="shipped", help="draft path / Hub id, or 'shipped'")
+    add_model_arguments(parser)
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
     parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
@@ -368,12 +357,9 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tree-depth", type=int)
     parser.add_argument("--tree-top-k", type=int)
     parser.add_argument("--tree-total-tokens", type=int)
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--verification-cost", type=int, nargs="+", metavar="N",
                         help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64) and exit")
     parser.add_argument("--output", default="bench-results")

@@ -27,6 +27,8 @@ class DraftTree:
     depths: torch.Tensor  # [N + 1] distance from the root (root 0)
     ancestors: torch.Tensor  # [N + 1, N + 1] bool, ancestors[i, j]: node j is node i or one of its ancestors
     candidate_ids: torch.Tensor  # [N] index of each drafted node among the cycle's candidates
+    candidate_rank_keys: torch.Tensor  # [C] float64 ranking of all the cycle's candidates (kept: the N highest)
+    candidate_depths: torch.Tensor  # [C] depth of every candidate
 
     @property
     def num_nodes(self) -> int:
@@ -93,7 +95,7 @@ def build_tree(
     depths = torch.cat([kept.new_zeros(1), candidate_depths[kept]])
     tokens = torch.cat([root_token.reshape(1), candidate_tokens[kept]])
     max_depth = int(candidate_depths.max()) if num_kept else 0
-    return DraftTree(tokens, parents, depths, ancestor_matrix(parents, max_depth), kept)
+    return DraftTree(tokens, parents, depths, ancestor_matrix(parents, max_depth), kept, rank_keys, candidate_depths)
 
 
 def tree_attention_mask(

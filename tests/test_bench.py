@@ -13,7 +13,6 @@ from hf_eagle3.bench import (
     methods_from_names,
     run_benchmark,
     save_plots,
-    verification_cost,
 )
 
 
@@ -82,8 +81,3 @@ def test_first_divergence_measures_both_logit_gaps(llama_target):
     prefix.sequences = plain.sequences[:, :-2]
     stopped = first_divergence(plain, prefix, prompt_length=6)
     assert stopped["position"] == 6 and stopped["disagreement"] is None  # a stopping difference: never a near-tie
-
-
-def test_verification_cost_times_every_size(llama_target):
-    costs = verification_cost(llama_target, [1, 4, 8], prefix_length=16, repetitions=2)
-    assert list(costs) == [1, 4, 8] and all(seconds > 0 for seconds in costs.values())

@@ -4,7 +4,7 @@ import pytest
 
 from hf_eagle3.cli import build_parser
 
-COMMANDS = ["demo", "bench", "prepare-data", "train", "convert", "push"]
+COMMANDS = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert", "push"]
 
 
 def test_every_command_is_registered():

@@ -8,8 +8,9 @@ from hf_eagle3.verify import accept_among_children, accept_sampled, children, gr
 
 def _tree(tokens, parents, depths):
     parents = torch.tensor(parents)
-    return DraftTree(torch.tensor(tokens), parents, torch.tensor(depths), ancestor_matrix(parents, max(depths)),
-                     torch.arange(len(tokens) - 1))
+    depths = torch.tensor(depths)
+    return DraftTree(torch.tensor(tokens), parents, depths, ancestor_matrix(parents, int(depths.max())),
+                     torch.arange(len(tokens) - 1), -torch.arange(len(tokens) - 1.0), depths[1:])
 
 
 #   0(root 5) -> 1(7) -> 3(9) -> 5(4)

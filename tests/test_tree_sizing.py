@@ -1,0 +1,87 @@
+"""Tree sizing: smaller trees' acceptance read off the largest tree's run (exact, checked against building them),
+measured costs, and `tune_tree` on a tiny target."""
+
+import pytest
+import torch
+
+from hf_eagle3.tree import build_tree, expand, select_frontier
+from hf_eagle3.tree_sizing import accepted_in_smaller_trees, drafting_cost, tune_tree, verification_cost
+from hf_eagle3.verify import greedy_accept
+
+
+def _random_candidates(top_k: int, max_depth: int, vocab: int):
+    """Candidates grown as the drafter grows them, from random draft distributions."""
+    scores, ids = expand(torch.randn(1, vocab).log_softmax(-1), torch.zeros(1), top_k)
+    tokens, all_scores = [ids[0]], [scores[0]]
+    parents, depths = [torch.full((top_k,), -1)], [torch.ones(top_k, dtype=torch.long)]
+    frontier, frontier_scores, count = torch.arange(top_k), scores[0], top_k
+    for depth in range(2, max_depth + 1):
+        child_scores, child_ids = expand(torch.randn(top_k, vocab).log_softmax(-1), frontier_scores, top_k)
+        tokens.append(child_ids.flatten())
+        all_scores.append(child_scores.flatten())
+        parents.append(frontier.repeat_interleave(top_k))
+        depths.append(torch.full((top_k * top_k,), depth))
+        best = select_frontier(child_scores, top_k)
+        frontier, frontier_scores, count = count + best, child_scores.flatten()[best], count + top_k * top_k
+    return torch.cat(tokens), torch.cat(all_scores), torch.cat(parents), torch.cat(depths)
+
+
+def _target_choices(tokens, parents, vocab: int):
+    """The target's greedy token after the root (index 0) and after each candidate (index c + 1): mostly one of the
+    node's two best drafted children, so that paths get accepted, otherwise a token never drafted."""
+    choices = torch.randint(vocab, vocab + 5, (tokens.numel() + 1,))
+    for parent in range(-1, tokens.numel()):
+        children = (parents == parent).nonzero().flatten()
+        if children.numel() and torch.rand(()) < 0.8:
+            choices[parent + 1] = tokens[children[torch.randint(min(2, children.numel()), ())]]
+    return choices
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_smaller_trees_accept_what_building_them_accepts(seed):
+    torch.manual_seed(seed)
+    top_k, max_depth, max_total, vocab = 3, 5, 30, 6
+    tokens, scores, parents, depths = _random_candidates(top_k, max_depth, vocab)
+    choices = _target_choices(tokens, parents, vocab)
+
+    def accepted_path(depth: int, total: int):
+        kept = depths <= depth  # candidates are numbered depth by depth: a prefix
+        tree = build_tree(torch.tensor(0), tokens[kept], scores[kept], parents[kept], depths[kept], total)
+        path = greedy_accept(tree, torch.cat([choices[:1], choices[1:][tree.candidate_ids]]))
+        return tree, path
+
+    largest, path = accepted_path(max_depth, max_total)
+    depth_grid, total_grid = torch.arange(1, max_depth + 1), torch.tensor([1, 2, 3, 5, 8, 12, 20, 30])
+    table = accepted_in_smaller_trees(largest.candidate_rank_keys, largest.candidate_depths,
+                                      largest.candidate_ids[path[1:] - 1], depth_grid, total_grid)
+    for a, depth in enumerate(depth_grid.tolist()):
+        for b, total in enumerate(total_grid.tolist()):
+            assert table[a, b] == accepted_path(depth, total)[1].numel() - 1, (depth, total)
+
+
+def test_costs_are_measured_for_every_size(llama_target, fitted_draft):
+    costs = verification_cost(llama_target, [1, 4, 8], prefix_length=16, repetitions=2)
+    assert list(costs) == [1, 4, 8] and all(seconds > 0 for seconds in costs.values())
+    fitted_draft.attach_target_embedding(llama_target.get_input_embeddings())
+    draft_costs = drafting_cost(fitted_draft, top_k=3, depths=[1, 2, 4], total_tokens=8, prefix_length=16,
+                                repetitions=2)
+    assert list(draft_costs) == [1, 2, 4] and all(seconds > 0 for seconds in draft_costs.values())
+
+
+def test_tune_tree_ranks_shapes_and_matches_the_largest_run(llama_target, fitted_draft):
+    torch.manual_seed(0)
+    prompts = [torch.randint(1, 90, (1, 6)) for _ in range(2)]
+    rows = tune_tree(llama_target, fitted_draft, prompts, top_ks=[1, 3], max_depth=3, max_total=8,
+                     max_new_tokens=16, progress=False)
+    speeds = [row["tokens_per_second"] for row in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(row["speedup"] > 0 for row in rows)
+    shapes = {(row["top_k"], row["depth"], row["total_tokens"]): row for row in rows}
+    assert (3, 1, 4) not in shapes and (1, 3, 3) in shapes and (1, 3, 4) not in shapes  # no more nodes than candidates
+    for top_k, total in ((3, 8), (1, 3)):  # the largest tree of each top-k: its τ is the measured one
+        lengths = []
+        for input_ids in prompts:
+            llama_target.generate(input_ids, max_new_tokens=16, do_sample=False, assistant_model=fitted_draft,
+                                  tree_depth=3, tree_top_k=top_k, tree_total_tokens=total)
+            lengths += fitted_draft.generation_stats.acceptance_lengths
+        assert shapes[(top_k, 3, total)]["tau"] == pytest.approx(sum(lengths) / len(lengths))
+    assert shapes[(3, 3, 8)]["tau"] > shapes[(3, 1, 1)]["tau"] >= 1.0
