@@ -96,13 +96,6 @@ def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, ge
             "EAGLE-3 decoding does not return attentions or hidden states: drop output_attentions / "
             "output_hidden_states, or generate without assistant_model."
         )
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "sliding_window", None) is not None and getattr(text_config, "use_sliding_window", True):
-        raise ValueError(
-            f"{type(model).__name__} uses sliding-window attention (sliding_window={text_config.sliding_window}), "
-            "which a single tree-attention mask cannot express yet. Set config.sliding_window = None if your "
-            "sequences never exceed the window."
-        )
     cache = model_kwargs.get("cache")
     if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
         raise ValueError(
@@ -115,6 +108,33 @@ def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, ge
             "flash-attention cannot take a tree attention mask: load the target with attn_implementation='sdpa'."
         )
     check_compatibility(draft.config, model)
+
+
+class _TargetAttention:
+    """The verification masks the target's layers need: full attention, a sliding window, or both kinds of layer
+    (`config.layer_types`), in which case the model takes one mask per kind."""
+
+    def __init__(self, model):
+        text_config = model.config.get_text_config()
+        window = getattr(text_config, "sliding_window", None)
+        self.sliding_window = window if getattr(text_config, "use_sliding_window", True) else None
+        layer_types = set(getattr(text_config, "layer_types", None) or ["sliding_attention"])
+        unsupported = layer_types - {"full_attention", "sliding_attention"}
+        if unsupported:
+            raise ValueError(
+                f"{type(model).__name__} has {', '.join(sorted(unsupported))} layers; EAGLE-3 decoding supports full "
+                "and sliding-window attention only: generate without assistant_model."
+            )
+        if "sliding_attention" not in layer_types:
+            self.sliding_window = None
+        self.mixed = self.sliding_window is not None and "full_attention" in layer_types
+
+    def verification_mask(self, tree: DraftTree, prefix_visible: torch.Tensor, dtype: torch.dtype):
+        full = tree_attention_mask(tree.ancestors, prefix_visible, dtype)
+        if self.sliding_window is None:
+            return full
+        sliding = tree_attention_mask(tree.ancestors, prefix_visible, dtype, tree.depths, self.sliding_window)
+        return {"full_attention": full, "sliding_attention": sliding} if self.mixed else sliding
 
 
 def _tree_settings(draft: Eagle3DraftModel) -> TreeSettings:
@@ -214,7 +234,13 @@ def eagle3_decoding(
     draft = assistant_model
     for unused in ("inputs_tensor", "tokenizer", "assistant_tokenizer"):  # used by generate's own criteria only
         model_kwargs.pop(unused, None)
+    cache = model_kwargs.get("cache")
+    if type(cache) is DynamicCache and cache.get_seq_length() == 0 and any(layer.is_sliding for layer in cache.layers):
+        # A sliding-window layer keeps only the last window of entries; the cycle's cache compaction indexes entries
+        # by sequence position, so keep them all (the verification masks apply the window).
+        model_kwargs["cache"] = DynamicCache()
     _check_supported(model, draft, input_ids, generation_config, model_kwargs)
+    attention = _TargetAttention(model)
     if draft.config.share_target_embedding and draft.embed_tokens.weight is not model.get_input_embeddings().weight:
         draft.attach_target_embedding(model.get_input_embeddings())
     settings = _tree_settings(draft)
@@ -278,7 +304,7 @@ def eagle3_decoding(
             outputs = model(
                 input_ids=tree.tokens[None],
                 position_ids=(root_position + tree.depths)[None],
-                attention_mask=tree_attention_mask(tree.ancestors, prefix_visible, model.dtype),
+                attention_mask=attention.verification_mask(tree, prefix_visible, model.dtype),
                 cache=cache,
                 output_hidden_states=layer_ids,
                 use_cache=True,

@@ -99,12 +99,23 @@ def build_tree(
 
 
 def tree_attention_mask(
-    ancestors: torch.Tensor, prefix_visible: torch.Tensor, dtype: torch.dtype
+    ancestors: torch.Tensor,
+    prefix_visible: torch.Tensor,
+    dtype: torch.dtype,
+    depths: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Additive `[1, 1, n, P + n]` mask: every node sees the visible prefix (`[P]` bool) and its own ancestors.
 
+    With a `sliding_window` (and the nodes' `depths`), a node also sees only keys fewer than `sliding_window`
+    sequence indices behind it, as transformers' sliding-window masks do: node `i` sits at index `P + depths[i]`.
     The float form (0 = attend, dtype minimum = masked) is read the same way by eager, sdpa and flex attention.
     """
     num_nodes = ancestors.shape[0]
     visible = torch.cat([prefix_visible[None, :].expand(num_nodes, -1), ancestors], dim=1)
+    if sliding_window is not None:
+        prefix_length = prefix_visible.numel()
+        query_index = prefix_length + depths  # [n]
+        key_index = torch.cat([torch.arange(prefix_length, device=depths.device), query_index])  # [P + n]
+        visible = visible & (query_index[:, None] - key_index[None, :] < sliding_window)
     return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]

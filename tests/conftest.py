@@ -21,7 +21,7 @@ torch.set_num_threads(1)  # tiny models gain nothing from threads; on a shared 2
 VOCAB = 96
 HIDDEN = 32
 LAYERS = 8
-_TINY = dict(
+TINY = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
     intermediate_size=64,
@@ -43,7 +43,7 @@ TARGET_FAMILIES = {
 
 def tiny_target(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB):
     torch.manual_seed(seed)
-    model = TARGET_FAMILIES[family](_TINY | {"vocab_size": vocab_size})
+    model = TARGET_FAMILIES[family](TINY | {"vocab_size": vocab_size})
     model.config._attn_implementation = attn_implementation
     return model.eval()
 

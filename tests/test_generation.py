@@ -3,10 +3,19 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import (
+    DynamicCache,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    StaticCache,
+)
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import TARGET_FAMILIES, VOCAB, tiny_draft, tiny_target
+from conftest import TARGET_FAMILIES, TINY, VOCAB, fit_draft, tiny_draft, tiny_target
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
 TREE = dict(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
@@ -185,11 +194,43 @@ def test_static_cache_raises(llama_target):
         _eagle(llama_target, tiny_draft(), PROMPTS[0], max_new_tokens=5, cache=cache)
 
 
-def test_sliding_window_target_raises():
-    target = tiny_target("mistral")
-    target.config.sliding_window = 16
-    with pytest.raises(ValueError, match="sliding-window"):
-        _eagle(target, tiny_draft(), PROMPTS[0], max_new_tokens=5)
+WINDOW = 5  # far shorter than the sequences, so that it matters
+SLIDING_TARGETS = {
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=WINDOW)),
+    # Qwen: layers 0-3 full attention, 4-7 sliding (the model takes one mask per kind of layer)
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
+                                                  max_window_layers=4)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=8, use_sliding_window=True,
+                                                  sliding_window=WINDOW, max_window_layers=4)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SLIDING_TARGETS))
+def sliding_target_and_draft(request):
+    torch.manual_seed(0)
+    target = SLIDING_TARGETS[request.param]().eval()
+    return target, fit_draft(tiny_draft(draft_vocab_size=VOCAB), target)
+
+
+@pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])
+def test_sliding_window_targets_are_lossless(sliding_target_and_draft, shape):
+    target, draft = sliding_target_and_draft
+    lengths = []
+    for prompt in PROMPTS:
+        expected = _plain(target, prompt, max_new_tokens=30)
+        assert torch.equal(_eagle(target, draft, prompt, max_new_tokens=30, **shape), expected)
+        lengths += draft.generation_stats.acceptance_lengths
+    assert max(lengths) >= 2  # drafted nodes were verified and accepted, not only the root
+
+
+def test_the_window_is_applied(sliding_target_and_draft):
+    # Without the window the same weights decode differently: the tests above do exercise it.
+    target, _ = sliding_target_and_draft
+    windowed = _plain(target, PROMPTS[2], max_new_tokens=30)
+    without_window = type(target)(target.config.__class__(**{**target.config.to_dict(), "sliding_window": None,
+                                                              "use_sliding_window": False, "layer_types": None}))
+    without_window.load_state_dict(target.state_dict())
+    assert not torch.equal(_plain(without_window.eval(), PROMPTS[2], max_new_tokens=30), windowed)
 
 
 def test_a_draft_for_another_target_raises(llama_target):

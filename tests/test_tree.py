@@ -68,3 +68,16 @@ def test_tree_attention_mask_is_additive_over_prefix_and_ancestors():
         [True, False, True, False, True],
     ]
     assert mask[0, 0, 0, 1] == torch.finfo(torch.float32).min
+
+
+def test_tree_attention_mask_applies_a_sliding_window_by_sequence_index():
+    # prefix of 4 (index 0 hidden: padding), root at index 4, a chain root -> 1 -> 2 at indices 5 and 6; window 3
+    parents = torch.tensor([0, 0, 1])
+    mask = tree_attention_mask(ancestor_matrix(parents, max_depth=2), torch.tensor([False, True, True, True]),
+                               torch.float32, depths=torch.tensor([0, 1, 2]), sliding_window=3)
+    visible = (mask[0, 0] == 0).int().tolist()
+    assert visible == [
+        [0, 0, 1, 1, 1, 0, 0],  # index 4 sees 2, 3 and itself
+        [0, 0, 0, 1, 1, 1, 0],  # index 5 sees 3, 4, 5
+        [0, 0, 0, 0, 1, 1, 1],  # index 6 sees 4, 5, 6
+    ]
