@@ -130,11 +130,13 @@ class _TargetAttention:
         self.mixed = self.sliding_window is not None and "full_attention" in layer_types
 
     def verification_mask(self, tree: DraftTree, prefix_visible: torch.Tensor, dtype: torch.dtype):
-        full = tree_attention_mask(tree.ancestors, prefix_visible, dtype)
         if self.sliding_window is None:
-            return full
+            return tree_attention_mask(tree.ancestors, prefix_visible, dtype)
         sliding = tree_attention_mask(tree.ancestors, prefix_visible, dtype, tree.depths, self.sliding_window)
-        return {"full_attention": full, "sliding_attention": sliding} if self.mixed else sliding
+        if not self.mixed:
+            return sliding
+        full = tree_attention_mask(tree.ancestors, prefix_visible, dtype)
+        return {"full_attention": full, "sliding_attention": sliding}
 
 
 def _tree_settings(draft: Eagle3DraftModel) -> TreeSettings:
