@@ -79,32 +79,32 @@ def verification_cost(target, sizes: list[int], prefix_length: int = 200, repeti
 
 @torch.no_grad()
 def drafting_cost(
-    draft: Eagle3DraftModel, top_k: int, depths: list[int], total_tokens: int, accepted_per_cycle: int = 2,
-    prefix_length: int = 200, repetitions: int = 7,
-) -> dict[int, float]:
-    """Median seconds the draft spends per cycle with a tree of each depth in `depths`: feeding
-    `accepted_per_cycle` verified positions, then expanding the tree (the draft's embedding must be attached)."""
+    draft: Eagle3DraftModel, shapes: list[TreeSettings], accepted_per_cycle: int = 2, prefix_length: int = 200,
+    repetitions: int = 7,
+) -> dict[TreeSettings, float]:
+    """Median seconds the draft spends per cycle with each tree shape (interleaved repetitions after a warm-up):
+    feeding `accepted_per_cycle` verified positions, then growing the tree (the draft's embedding must be attached)."""
     device, dtype = draft.device, draft.dtype
     vocab_size, feature_size = draft.config.vocab_size, 3 * draft.config.target_hidden_size
-    seconds = {depth: [] for depth in depths}
-    drafters = {depth: Eagle3Drafter(draft, TreeSettings(depth, top_k, total_tokens)) for depth in depths}
+    drafters = {shape: Eagle3Drafter(draft, shape) for shape in shapes}
     for drafter in drafters.values():
         drafter.extend(torch.randint(0, vocab_size, (1, prefix_length), device=device),
                        torch.randn(1, prefix_length, feature_size, device=device, dtype=dtype),
                        torch.arange(prefix_length, device=device)[None])
     positions = torch.arange(prefix_length, prefix_length + accepted_per_cycle, device=device)[None]
+    seconds = {shape: [] for shape in shapes}
     for repetition in range(repetitions + 1):
-        for depth, drafter in drafters.items():
+        for shape, drafter in drafters.items():
             tokens = torch.randint(0, vocab_size, (1, accepted_per_cycle), device=device)
             features = torch.randn(1, accepted_per_cycle, feature_size, device=device, dtype=dtype)
             start = time.perf_counter()
             drafter.extend(tokens, features, positions)
             drafter.draft_tree(tokens[0, -1], prefix_length + accepted_per_cycle)
             _synchronize(device)
-            if repetition:
-                seconds[depth].append(time.perf_counter() - start)
+            if repetition:  # the first round only warms up
+                seconds[shape].append(time.perf_counter() - start)
             drafter.num_verified = prefix_length  # the next extend drops this cycle's entries
-    return {depth: statistics.median(times) for depth, times in seconds.items()}
+    return {shape: statistics.median(times) for shape, times in seconds.items()}
 
 
 def _synchronize(device: torch.device) -> None:
@@ -120,14 +120,15 @@ def tune_tree(
 
     Each row: `top_k`, `depth`, `total_tokens`, `tau` (tokens per target forward, estimated from one greedy run per
     top-k with the largest tree over `prompts`), `cycle_ms` (measured), `tokens_per_second` and `speedup` (against a
-    one-token target forward per token, i.e. plain decoding's forward cost).
+    one-token target forward per token, i.e. plain decoding's forward cost). All shapes' costs are measured in the
+    same interleaved rounds, so that they compare.
     """
     from tqdm.auto import tqdm
 
-    rows = []
+    depths = list(range(1, max_depth + 1))
+    calibration = {}  # top_k -> (sizes, τ [depth, size], other seconds per cycle)
     for top_k in top_ks:
         largest = min(max_total, top_k + (max_depth - 1) * top_k * top_k)  # can't keep more than the candidates
-        depths = list(range(1, max_depth + 1))
         totals = sorted({n for n in TOTAL_TOKENS_GRID if n < largest} | {largest})
         accepted_sums = torch.zeros(len(depths), len(totals), dtype=torch.long)
         cycles, other_seconds = 0, 0.0
@@ -142,20 +143,25 @@ def tune_tree(
                 ).cpu()
             cycles += stats.num_cycles
             other_seconds += stats.other_seconds
-        taus = 1 + accepted_sums.double() / max(cycles, 1)
-        verify_seconds = verification_cost(target, sorted({1} | {n + 1 for n in totals}))
-        draft_seconds = drafting_cost(draft, top_k, depths, largest)
-        for a, depth in enumerate(depths):
-            for b, total in enumerate(totals):
-                if total > top_k + (depth - 1) * top_k * top_k:
-                    continue  # more nodes than a tree of this depth has candidates: the same tree as a smaller N
-                cycle_seconds = draft_seconds[depth] + verify_seconds[total + 1] + other_seconds / max(cycles, 1)
-                tau = float(taus[a, b])
-                rows.append({
-                    "top_k": top_k, "depth": depth, "total_tokens": total, "tau": tau,
-                    "cycle_ms": 1000 * cycle_seconds, "tokens_per_second": tau / cycle_seconds,
-                    "speedup": tau * verify_seconds[1] / cycle_seconds,
-                })
+        calibration[top_k] = (totals, 1 + accepted_sums.double() / max(cycles, 1), other_seconds / max(cycles, 1))
+
+    sizes = sorted({1} | {total + 1 for totals, _, _ in calibration.values() for total in totals})
+    verify_seconds = verification_cost(target, sizes)
+    shapes = [TreeSettings(depth, top_k, calibration[top_k][0][-1]) for top_k in top_ks for depth in depths]
+    draft_seconds = drafting_cost(draft, shapes)
+    rows = []
+    for shape in shapes:
+        totals, taus, other_seconds = calibration[shape.top_k]
+        for index, total in enumerate(totals):
+            if total > shape.top_k + (shape.depth - 1) * shape.top_k ** 2:
+                continue  # more nodes than a tree of this depth has candidates: the same tree as a smaller size
+            cycle_seconds = draft_seconds[shape] + verify_seconds[total + 1] + other_seconds
+            tau = float(taus[shape.depth - 1, index])
+            rows.append({
+                "top_k": shape.top_k, "depth": shape.depth, "total_tokens": total, "tau": tau,
+                "cycle_ms": 1000 * cycle_seconds, "tokens_per_second": tau / cycle_seconds,
+                "speedup": tau * verify_seconds[1] / cycle_seconds,
+            })
     return sorted(rows, key=lambda row: -row["tokens_per_second"])
 
 

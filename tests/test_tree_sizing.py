@@ -4,6 +4,7 @@ measured costs, and `tune_tree` on a tiny target."""
 import pytest
 import torch
 
+from hf_eagle3.drafter import TreeSettings
 from hf_eagle3.tree import build_tree, expand, select_frontier
 from hf_eagle3.tree_sizing import accepted_in_smaller_trees, drafting_cost, tune_tree, verification_cost
 from hf_eagle3.verify import greedy_accept
@@ -63,9 +64,9 @@ def test_costs_are_measured_for_every_size(llama_target, fitted_draft):
     costs = verification_cost(llama_target, [1, 4, 8], prefix_length=16, repetitions=2)
     assert list(costs) == [1, 4, 8] and all(seconds > 0 for seconds in costs.values())
     fitted_draft.attach_target_embedding(llama_target.get_input_embeddings())
-    draft_costs = drafting_cost(fitted_draft, top_k=3, depths=[1, 2, 4], total_tokens=8, prefix_length=16,
-                                repetitions=2)
-    assert list(draft_costs) == [1, 2, 4] and all(seconds > 0 for seconds in draft_costs.values())
+    shapes = [TreeSettings(1, 3, 8), TreeSettings(4, 3, 8), TreeSettings(4, 1, 4)]
+    draft_costs = drafting_cost(fitted_draft, shapes, prefix_length=16, repetitions=2)
+    assert list(draft_costs) == shapes and all(seconds > 0 for seconds in draft_costs.values())
 
 
 def test_tune_tree_ranks_shapes_and_matches_the_largest_run(llama_target, fitted_draft):
