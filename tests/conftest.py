@@ -21,7 +21,7 @@ torch.set_num_threads(1)  # tiny models gain nothing from threads; on a shared 2
 VOCAB = 96
 HIDDEN = 32
 LAYERS = 8
-TINY = dict(
+_TINY = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
     intermediate_size=64,
@@ -39,11 +39,21 @@ TARGET_FAMILIES = {
     "qwen3": lambda fields: Qwen3ForCausalLM(Qwen3Config(**fields, head_dim=8, use_sliding_window=False)),
     "mistral": lambda fields: MistralForCausalLM(MistralConfig(**fields, sliding_window=None)),
 }
+# Sliding-window targets, with a window far shorter than the test sequences so that it matters
+WINDOW = 5
+SLIDING_TARGETS = {
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_TINY, sliding_window=WINDOW)),
+    # Qwen: layers 0-3 full attention, 4-7 sliding (the model takes one mask per kind of layer)
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_TINY, use_sliding_window=True, sliding_window=WINDOW,
+                                                  max_window_layers=4)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_TINY, head_dim=8, use_sliding_window=True,
+                                                  sliding_window=WINDOW, max_window_layers=4)),
+}
 
 
 def tiny_target(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB):
     torch.manual_seed(seed)
-    model = TARGET_FAMILIES[family](TINY | {"vocab_size": vocab_size})
+    model = TARGET_FAMILIES[family](_TINY | {"vocab_size": vocab_size})
     model.config._attn_implementation = attn_implementation
     return model.eval()
 

@@ -3,19 +3,10 @@
 
 import pytest
 import torch
-from transformers import (
-    DynamicCache,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    StaticCache,
-)
+from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import TARGET_FAMILIES, TINY, VOCAB, fit_draft, tiny_draft, tiny_target
+from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
 TREE = dict(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
@@ -192,17 +183,6 @@ def test_static_cache_raises(llama_target):
     cache = StaticCache(config=llama_target.config, max_cache_len=64)
     with pytest.raises(ValueError, match="DynamicCache"):
         _eagle(llama_target, tiny_draft(), PROMPTS[0], max_new_tokens=5, cache=cache)
-
-
-WINDOW = 5  # far shorter than the sequences, so that it matters
-SLIDING_TARGETS = {
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=WINDOW)),
-    # Qwen: layers 0-3 full attention, 4-7 sliding (the model takes one mask per kind of layer)
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
-                                                  max_window_layers=4)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=8, use_sliding_window=True,
-                                                  sliding_window=WINDOW, max_window_layers=4)),
-}
 
 
 @pytest.fixture(scope="module", params=sorted(SLIDING_TARGETS))
