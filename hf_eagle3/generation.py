@@ -43,13 +43,13 @@ class Eagle3GenerationStats:
 
     `acceptance_lengths[i]` is the number of tokens cycle `i` emitted from one target forward (accepted drafted
     tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
-    `greedy_cycles` (greedy decoding only, for `tree_sizing`) holds, per cycle, the ranking keys `[C]` and depths
-    `[C]` of all the cycle's draft candidates and the candidate indices `[L]` of the accepted drafted tokens.
+    `greedy_cycles` (greedy decoding only, for `tree_sizing`) holds each cycle's `DraftTree` and accepted path (node
+    indices, root first).
     """
 
     settings: TreeSettings
     acceptance_lengths: list[int] = field(default_factory=list)
-    greedy_cycles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    greedy_cycles: list[tuple[DraftTree, torch.Tensor]] = field(default_factory=list)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -317,9 +317,8 @@ def eagle3_decoding(
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus])
         step_scores, step_logits = path_scores, logits[path].float()
         stats.acceptance_lengths.append(new_tokens.numel())
-        if not do_sample:
-            accepted_candidates = tree.candidate_ids[path[1:] - 1]
-            stats.greedy_cycles.append((tree.candidate_rank_keys, tree.candidate_depths, accepted_candidates))
+        if not do_sample:  # references only: nothing computed on the decoding path
+            stats.greedy_cycles.append((tree, path))
 
         _keep_cache_entries(cache, prefix_length, path)
         prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(path.numel())])

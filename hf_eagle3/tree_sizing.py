@@ -136,10 +136,10 @@ def tune_tree(
             target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
                             tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest)
             stats = draft.generation_stats
-            for rank_keys, candidate_depths, accepted in stats.greedy_cycles:
+            for tree, path in stats.greedy_cycles:
                 accepted_sums += accepted_in_smaller_trees(
-                    rank_keys, candidate_depths, accepted,
-                    torch.tensor(depths, device=accepted.device), torch.tensor(totals, device=accepted.device),
+                    tree.candidate_rank_keys, tree.candidate_depths, tree.candidate_ids[path[1:] - 1],
+                    torch.tensor(depths, device=path.device), torch.tensor(totals, device=path.device),
                 ).cpu()
             cycles += stats.num_cycles
             other_seconds += stats.other_seconds
