@@ -354,11 +354,13 @@ def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
 
 
 def _split_examples(config: TrainConfig) -> tuple[list[Example], list[Example]]:
-    examples = load_dataset(config.data)
-    cap = config.max_length
-    examples = [Example(e.messages, e.input_ids[:cap], e.loss_mask[:cap]) for e in examples]
+    def capped(directory: str) -> list[Example]:
+        cap = config.max_length
+        return [Example(e.messages, e.input_ids[:cap], e.loss_mask[:cap]) for e in load_dataset(directory)]
+
+    examples = capped(config.data)
     if config.eval_data is not None:
-        return examples, load_dataset(config.eval_data)
+        return examples, capped(config.eval_data)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(config.seed)).tolist()
     held_out = max(1, round(config.eval_fraction * len(examples))) if config.eval_fraction > 0 else 0
     if held_out >= len(examples):

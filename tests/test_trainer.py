@@ -204,6 +204,15 @@ def test_epoch_batches_are_deterministic_and_cover_every_example_once():
     assert sorted(i for batch in batches for i in batch) == list(range(10))
 
 
+def test_training_and_held_out_examples_are_capped_to_max_length(dataset, tmp_path):
+    split = trainer_module._split_examples(config_for(dataset, tmp_path, max_length=20))
+    assert [len(split[0]), len(split[1])] == [38, 10]  # eval_fraction 0.2 of 48
+    given = trainer_module._split_examples(config_for(dataset, tmp_path, max_length=20, eval_data=str(dataset)))
+    assert [len(given[0]), len(given[1])] == [48, 48]
+    for examples in (*split, *given):
+        assert all(len(e.input_ids) == len(e.loss_mask) == 20 for e in examples)
+
+
 def test_acceptance_summary():
     summary = acceptance_summary(torch.tensor([8, 4, 1]), torch.tensor([10, 8, 4]))
     assert summary["alpha"] == pytest.approx([0.8, 0.5, 0.25])
