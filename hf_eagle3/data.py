@@ -315,6 +315,28 @@ def load_dataset(directory: str | Path) -> list[Example]:
     return [example for shard in shards for example in _read_shard(shard)]
 
 
+def _check_resumable(previous: dict, settings: dict, output_dir: Path) -> None:
+    """The shards in `output_dir`, written with `previous` settings, can be reused under `settings`: the same ones, or
+    a larger `limit` when every shard on disk is full (conversations are read in file order, so the shards already
+    written stay the first ones and growing the limit only appends shards)."""
+    if previous == settings:
+        return
+    old_limit, new_limit = previous.get("limit"), settings["limit"]
+    if previous | {"limit": new_limit} == settings and old_limit is not None:
+        growing = new_limit is None or new_limit > old_limit
+        if growing and old_limit % settings["shard_size"] == 0:
+            return
+        raise ValueError(
+            f"{output_dir} holds the shards of the first {old_limit} conversations: resume with --limit {old_limit}, "
+            f"or grow it with a larger --limit when {old_limit} is a multiple of --shard-size "
+            f"({settings['shard_size']}, so that every shard on disk is full); otherwise use a new --output directory."
+        )
+    raise ValueError(
+        f"{output_dir} holds shards prepared with other settings ({previous}); use a new --output directory, or the "
+        f"same settings (a larger --limit is allowed) to resume."
+    )
+
+
 def prepare_dataset(
     inputs: list[str | Path],
     output_dir: str | Path,
@@ -334,7 +356,8 @@ def prepare_dataset(
     """Read `inputs`, regenerate the answers with `target` when given, tokenize, and write shards to `output_dir`.
 
     Shards already in `output_dir` are kept and not recomputed (resume); the settings must then be the same as when
-    they were written. Raises `ValueError` when no usable conversation remains, with the skip counts.
+    they were written, except for a larger `limit`, which appends shards. Raises `ValueError` when no usable
+    conversation remains, with the skip counts.
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -351,12 +374,7 @@ def prepare_dataset(
     }
     manifest_path = output_dir / MANIFEST
     if manifest_path.exists():
-        previous = json.loads(manifest_path.read_text())["settings"]
-        if previous != settings:
-            raise ValueError(
-                f"{output_dir} holds shards prepared with other settings ({previous}); use a new --output directory "
-                f"or the same settings to resume."
-            )
+        _check_resumable(json.loads(manifest_path.read_text())["settings"], settings, output_dir)
 
     read_skips = SkipCounts()
     conversations = []

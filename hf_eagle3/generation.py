@@ -35,6 +35,20 @@ from .verify import accept_among_children, accept_sampled, children, greedy_acce
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
 _tree_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_eagle3_tree_overrides", default={})
+_recording_greedy_cycles: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hf_eagle3_recording_greedy_cycles", default=False
+)
+
+
+@contextlib.contextmanager
+def recording_greedy_cycles():
+    """Within this block, greedy EAGLE-3 `generate` calls keep every cycle's tree and accepted path in
+    `draft.generation_stats.greedy_cycles` (what `tree_sizing.tune_tree` calibrates on); outside it they keep none."""
+    token = _recording_greedy_cycles.set(True)
+    try:
+        yield
+    finally:
+        _recording_greedy_cycles.reset(token)
 
 
 @dataclass
@@ -43,8 +57,8 @@ class Eagle3GenerationStats:
 
     `acceptance_lengths[i]` is the number of tokens cycle `i` emitted from one target forward (accepted drafted
     tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
-    `greedy_cycles` (greedy decoding only, for `tree_sizing`) holds each cycle's `DraftTree` and accepted path (node
-    indices, root first).
+    `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy decoding
+    inside `recording_greedy_cycles()` only.
     """
 
     settings: TreeSettings
@@ -247,6 +261,7 @@ def eagle3_decoding(
         draft.attach_target_embedding(model.get_input_embeddings())
     settings = _tree_settings(draft)
     do_sample = generation_config.do_sample
+    record_cycles = not do_sample and _recording_greedy_cycles.get()
     drafter = Eagle3Drafter(draft, settings, (generation_config.temperature or 1.0) if do_sample else None)
     stats = Eagle3GenerationStats(settings)
     draft.generation_stats = stats
@@ -317,7 +332,7 @@ def eagle3_decoding(
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus])
         step_scores, step_logits = path_scores, logits[path].float()
         stats.acceptance_lengths.append(new_tokens.numel())
-        if not do_sample:  # references only: nothing computed on the decoding path
+        if record_cycles:  # references only: nothing computed on the decoding path
             stats.greedy_cycles.append((tree, path))
 
         _keep_cache_entries(cache, prefix_length, path)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .drafter import Eagle3Drafter, TreeSettings
+from .generation import recording_greedy_cycles
 from .modeling_eagle3 import Eagle3DraftModel
 
 TOTAL_TOKENS_GRID = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
@@ -133,8 +134,9 @@ def tune_tree(
         accepted_sums = torch.zeros(len(depths), len(totals), dtype=torch.long)
         cycles, other_seconds = 0, 0.0
         for input_ids in tqdm(prompts, desc=f"tune-tree top-k {top_k}", disable=not progress):
-            target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
-                            tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest)
+            with recording_greedy_cycles():
+                target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
+                                tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest)
             stats = draft.generation_stats
             for tree, path in stats.greedy_cycles:
                 accepted_sums += accepted_in_smaller_trees(

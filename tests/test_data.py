@@ -165,6 +165,21 @@ def test_prepare_writes_shards_and_resumes_without_regenerating(tmp_path, tokeni
         prepare_dataset([path], output, tokenizer, target=tiny_chat_target, **{**options, "max_length": 32})
 
 
+def test_prepare_grows_a_dataset_with_a_larger_limit(tmp_path, tokenizer, tiny_chat_target):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conversation(f"question {i}?", "answer")}) for i in range(7)))
+    output = tmp_path / "prepared"
+    options = dict(max_length=64, shard_size=2, max_new_tokens=4, batch_size=4, progress=False)
+    first = prepare_dataset([path], output, tokenizer, target=tiny_chat_target, limit=4, **options)
+    grown = prepare_dataset([path], output, tokenizer, target=tiny_chat_target, limit=5, **options)
+    assert grown.examples[:4] == first.examples and len(grown.examples) == 5 == len(load_dataset(output))
+    assert json.loads((output / "manifest.json").read_text())["settings"]["limit"] == 5
+    # the last shard now holds 1 of 2 conversations: a larger limit would change it, a smaller one drop shards
+    for limit in (None, 3):
+        with pytest.raises(ValueError, match="the first 5 conversations: resume with --limit 5"):
+            prepare_dataset([path], output, tokenizer, target=tiny_chat_target, limit=limit, **options)
+
+
 def test_no_usable_conversation_is_an_error_with_the_counts(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text("{oops\n" + json.dumps({"messages": []}) + "\n")

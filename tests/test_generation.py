@@ -6,6 +6,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
+from hf_eagle3.generation import recording_greedy_cycles
+
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
@@ -142,6 +144,12 @@ def test_statistics_describe_the_call(llama_target, fitted_draft):
     assert 1 + sum(stats.acceptance_lengths) >= out.shape[1] - prompt.shape[1] > sum(stats.acceptance_lengths[:-1])
     assert stats.num_cycles == len(stats.acceptance_lengths) > 0
     assert min(stats.draft_seconds, stats.verify_seconds, stats.other_seconds, stats.prefill_seconds) > 0
+    assert stats.greedy_cycles == []  # kept only on request: a long generation does not hold every tree
+
+    with recording_greedy_cycles():
+        _eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, **TREE)
+    cycles = fitted_draft.generation_stats.greedy_cycles
+    assert [path.numel() for _, path in cycles] == fitted_draft.generation_stats.acceptance_lengths
 
 
 def test_defaults_come_from_the_draft_config(llama_target):
