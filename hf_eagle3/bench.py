@@ -9,11 +9,14 @@ decoding as they come, and every mismatch is reported with where the outputs par
 were in the target's logits there, as plain decoding and as the method computed them.
 
 Why bf16 can part where float32 never does: plain decoding runs the target on one new token per forward, a method that
-verifies several tokens per forward (EAGLE-3, and transformers' prompt lookup alike) runs the same layers on several
-rows at once, and CPU kernels (oneDNN GEMMs, SDPA) accumulate in a different order for those shapes. In bf16 the
-logits then differ by up to about 1 (a few units of bf16 resolution at their magnitude), so greedy decoding can take
-the other branch of a near-tie. Such a mismatch is a *near-tie* when the two computations disagree on the gap between
-the two tokens by at most `NEAR_TIE_LOGITS[dtype]`; any other mismatch is an error.
+verifies several tokens per forward (EAGLE-3, and transformers' prompt lookup alike) scores each of them over a longer,
+masked key sequence, and the attention kernel's reductions depend on that layout (on our CPU the bf16 matrix
+multiplications give each row the same result whatever the number of rows; attention does not). In bf16 the logits
+then differ by up to about 1 (a few units of bf16 resolution at their magnitude), so greedy decoding can take the other
+branch of a near-tie. Such a mismatch is a *near-tie* when the two computations disagree on the gap between
+the two tokens by at most `NEAR_TIE_LOGITS[dtype]`; any other mismatch is an error. EAGLE-3 methods named with `+exact`
+verify with `exact_attention=True` (each node attends exactly as plain decoding would), which removes the difference
+where the rest of the layer is row-invariant, as on CPU.
 """
 
 import argparse
@@ -46,23 +49,30 @@ class Method:
 
 
 def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: int) -> list[Method]:
-    """`plain`, `prompt-lookup`, `chain`, `tree`, or `tree:DEPTHxTOPKxTOTAL` for a tree of another shape."""
+    """`plain`, `prompt-lookup`, `chain`, `tree`, or `tree:DEPTHxTOPKxTOTAL` for a tree of another shape; an EAGLE-3
+    method with the suffix `+exact` verifies with `exact_attention=True`."""
     methods = []
     for name in names:
+        eagle3_name, exact = name.removesuffix("+exact"), name.endswith("+exact")
         if name == "plain":
             methods.append(Method(name, {}))
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
-        elif name == "chain":
-            methods.append(Method(name, {"tree_depth": depth, "tree_top_k": 1, "tree_total_tokens": depth}))
-        elif name == "tree":
-            methods.append(Method(name, {"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total_tokens}))
-        elif name.startswith("tree:"):
-            tree_depth, tree_top_k, tree_total = (int(part) for part in name[5:].split("x"))
+        elif eagle3_name == "chain":
+            shape = {"tree_depth": depth, "tree_top_k": 1, "tree_total_tokens": depth}
+            methods.append(Method(name, shape | {"exact_attention": exact}))
+        elif eagle3_name == "tree":
+            shape = {"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total_tokens}
+            methods.append(Method(name, shape | {"exact_attention": exact}))
+        elif eagle3_name.startswith("tree:"):
+            tree_depth, tree_top_k, tree_total = (int(part) for part in eagle3_name[5:].split("x"))
             shape = {"tree_depth": tree_depth, "tree_top_k": tree_top_k, "tree_total_tokens": tree_total}
-            methods.append(Method(name, shape))
+            methods.append(Method(name, shape | {"exact_attention": exact}))
         else:
-            raise ValueError(f"Unknown method {name!r}: use plain, prompt-lookup, chain, tree or tree:DxKxN.")
+            raise ValueError(
+                f"Unknown method {name!r}: use plain, prompt-lookup, chain, tree or tree:DxKxN (EAGLE-3 methods may "
+                "end in +exact)."
+            )
     if methods[0].name != "plain":
         raise ValueError("The first method must be `plain`: speedups and output checks are measured against it.")
     return methods
@@ -352,7 +362,8 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
     parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
-                        help="plain (first), prompt-lookup, chain, tree, tree:DEPTHxTOPKxTOTAL")
+                        help="plain (first), prompt-lookup, chain, tree, tree:DEPTHxTOPKxTOTAL; EAGLE-3 methods may "
+                             "end in +exact (exact_attention=True: greedy outputs bit-identical to plain on CPU)")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=3)

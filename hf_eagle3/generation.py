@@ -4,7 +4,7 @@ transformers runs assisted generation through `GenerationMixin._assisted_decodin
 prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` therefore wraps three methods of
 `GenerationMixin`, each of which defers to the original unless the assistant is an `Eagle3DraftModel`:
 
-- `generate`: accepts the per-call tree settings `tree_depth`, `tree_top_k`, `tree_total_tokens`;
+- `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens` and `exact_attention`;
 - `_validate_generation_mode`: rejects what EAGLE-3 decoding does not support (beam search, several return
   sequences, a different assistant tokenizer, ...) before any work is done;
 - `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
@@ -31,10 +31,11 @@ from .compatibility import check_compatibility
 from .drafter import Eagle3Drafter, TreeSettings
 from .modeling_eagle3 import Eagle3DraftModel
 from .tree import DraftTree, tree_attention_mask
+from .tree_attention import exact_tree_attention
 from .verify import accept_among_children, accept_sampled, children, greedy_accept
 
-TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
-_tree_overrides: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_eagle3_tree_overrides", default={})
+EAGLE3_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens", "exact_attention")
+_call_settings: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_eagle3_call_settings", default={})
 _recording_greedy_cycles: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "hf_eagle3_recording_greedy_cycles", default=False
 )
@@ -125,10 +126,12 @@ def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, ge
 
 
 class _TargetAttention:
-    """The verification masks the target's layers need: full attention, a sliding window, or both kinds of layer
-    (`config.layer_types`), in which case the model takes one mask per kind."""
+    """How the target attends during verification: one forward with the masks its layers need (full attention, a
+    sliding window, or both kinds of layer (`config.layer_types`), in which case the model takes one mask per kind),
+    or, with `exact=True`, each node over exactly the keys plain decoding would give it
+    (`tree_attention.exact_tree_attention`: sdpa and full attention only)."""
 
-    def __init__(self, model):
+    def __init__(self, model, exact: bool):
         text_config = model.config.get_text_config()
         window = getattr(text_config, "sliding_window", None)
         self.sliding_window = window if getattr(text_config, "use_sliding_window", True) else None
@@ -142,6 +145,18 @@ class _TargetAttention:
         if "sliding_attention" not in layer_types:
             self.sliding_window = None
         self.mixed = self.sliding_window is not None and "full_attention" in layer_types
+        self.exact = exact
+        if exact and (self.sliding_window is not None or model.config._attn_implementation != "sdpa"):
+            raise ValueError(
+                "exact_attention=True reproduces plain decoding's sdpa attention over full-attention layers; "
+                f"{type(model).__name__} uses {model.config._attn_implementation!r} attention"
+                f"{' with a sliding window' if self.sliding_window is not None else ''}: load it with "
+                "attn_implementation='sdpa', or drop exact_attention."
+            )
+
+    def verifying(self, model, tree: DraftTree, prefix_length: int):
+        """Context for the verification forward of `tree` after `prefix_length` cache entries."""
+        return exact_tree_attention(model, tree, prefix_length) if self.exact else contextlib.nullcontext()
 
     def verification_mask(self, tree: DraftTree, prefix_visible: torch.Tensor, dtype: torch.dtype):
         if self.sliding_window is None:
@@ -154,7 +169,7 @@ class _TargetAttention:
 
 
 def _tree_settings(draft: Eagle3DraftModel) -> TreeSettings:
-    overrides = _tree_overrides.get()
+    overrides = _call_settings.get()
     settings = TreeSettings(
         depth=overrides.get("tree_depth", draft.config.tree_depth),
         top_k=overrides.get("tree_top_k", draft.config.tree_top_k),
@@ -256,7 +271,13 @@ def eagle3_decoding(
         # by sequence position, so keep them all (the verification masks apply the window).
         model_kwargs["cache"] = DynamicCache()
     _check_supported(model, draft, input_ids, generation_config, model_kwargs)
-    attention = _TargetAttention(model)
+    attention = _TargetAttention(model, exact=bool(_call_settings.get().get("exact_attention", False)))
+    prompt_mask = model_kwargs.get("attention_mask")
+    if attention.exact and prompt_mask is not None and not prompt_mask.all():
+        raise ValueError(
+            "exact_attention=True needs every prompt token visible (plain decoding over a padded prompt uses a mask "
+            "it cannot reproduce node by node): strip the padding, or drop exact_attention."
+        )
     if draft.config.share_target_embedding and draft.embed_tokens.weight is not model.get_input_embeddings().weight:
         draft.attach_target_embedding(model.get_input_embeddings())
     settings = _tree_settings(draft)
@@ -317,7 +338,7 @@ def eagle3_decoding(
 
         with stopwatch.time("draft_seconds"):
             tree = drafter.draft_tree(input_ids[0, -1], root_position)
-        with stopwatch.time("verify_seconds"):
+        with stopwatch.time("verify_seconds"), attention.verifying(model, tree, prefix_visible.numel()):
             outputs = model(
                 input_ids=tree.tokens[None],
                 position_ids=(root_position + tree.depths)[None],
@@ -362,16 +383,16 @@ def _assistant_of(args: tuple, kwargs: dict):
 def _wrap_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        tree_kwargs = {name: kwargs.pop(name) for name in TREE_KWARGS if name in kwargs}
+        eagle3_kwargs = {name: kwargs.pop(name) for name in EAGLE3_KWARGS if name in kwargs}
         if not isinstance(_assistant_of(args, kwargs), Eagle3DraftModel):
-            if tree_kwargs:
-                raise TypeError(f"{sorted(tree_kwargs)} only apply with an Eagle3DraftModel as assistant_model.")
+            if eagle3_kwargs:
+                raise TypeError(f"{sorted(eagle3_kwargs)} only apply with an Eagle3DraftModel as assistant_model.")
             return original(self, *args, **kwargs)
-        token = _tree_overrides.set(tree_kwargs)
+        token = _call_settings.set(eagle3_kwargs)
         try:
             return original(self, *args, **kwargs)
         finally:
-            _tree_overrides.reset(token)
+            _call_settings.reset(token)
 
     return generate
 

@@ -20,7 +20,7 @@ _DEPTH_PENALTY = 1e-9
 
 @dataclass
 class DraftTree:
-    """Root plus `N` drafted nodes, in topological order (every parent before its children)."""
+    """Root plus `N` drafted nodes, ordered by depth (so every parent comes before its children)."""
 
     tokens: torch.Tensor  # [N + 1] target-vocabulary ids, root first
     parents: torch.Tensor  # [N + 1] index of each node's parent; the root is its own parent (0)

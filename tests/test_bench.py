@@ -17,15 +17,21 @@ from hf_eagle3.bench import (
 
 
 def test_methods_from_names():
-    methods = methods_from_names(["plain", "prompt-lookup", "chain", "tree", "tree:3x2x5"], 4, 3, 12)
-    assert [m.name for m in methods] == ["plain", "prompt-lookup", "chain", "tree", "tree:3x2x5"]
-    assert methods[2].generate_kwargs == {"tree_depth": 4, "tree_top_k": 1, "tree_total_tokens": 4}
-    assert methods[4].generate_kwargs == {"tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5}
-    assert [m.is_eagle3 for m in methods] == [False, False, True, True, True]
+    names = ["plain", "prompt-lookup", "chain", "tree", "tree:3x2x5", "tree+exact", "tree:3x2x5+exact"]
+    methods = methods_from_names(names, 4, 3, 12)
+    assert [m.name for m in methods] == names
+    fast = {"exact_attention": False}
+    assert methods[2].generate_kwargs == {"tree_depth": 4, "tree_top_k": 1, "tree_total_tokens": 4} | fast
+    assert methods[4].generate_kwargs == {"tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5} | fast
+    assert methods[5].generate_kwargs == methods[3].generate_kwargs | {"exact_attention": True}
+    assert methods[6].generate_kwargs == methods[4].generate_kwargs | {"exact_attention": True}
+    assert [m.is_eagle3 for m in methods] == [False, False, True, True, True, True, True]
     with pytest.raises(ValueError, match="first method must be `plain`"):
         methods_from_names(["tree", "plain"], 4, 3, 12)
     with pytest.raises(ValueError, match="Unknown method 'beam'"):
         methods_from_names(["plain", "beam"], 4, 3, 12)
+    with pytest.raises(ValueError, match="Unknown method 'prompt-lookup\\+exact'"):
+        methods_from_names(["plain", "prompt-lookup+exact"], 4, 3, 12)
 
 
 def test_acceptance_by_position():

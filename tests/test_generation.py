@@ -13,6 +13,7 @@ from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_dr
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
 TREE = dict(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
 CHAIN = dict(tree_depth=4, tree_top_k=1)
+EXACT_TREE = TREE | dict(exact_attention=True)
 
 
 def _plain(target, prompt, **kwargs):
@@ -24,7 +25,7 @@ def _eagle(target, draft, prompt, **kwargs):
 
 
 @pytest.mark.parametrize("family", sorted(TARGET_FAMILIES))
-@pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])
+@pytest.mark.parametrize("shape", [TREE, CHAIN, EXACT_TREE], ids=["tree", "chain", "exact-tree"])
 def test_greedy_equals_plain_decoding_on_every_family(family, shape):
     target, draft = tiny_target(family), tiny_draft()
     for prompt in PROMPTS:
@@ -32,7 +33,8 @@ def test_greedy_equals_plain_decoding_on_every_family(family, shape):
         assert torch.equal(_eagle(target, draft, prompt, max_new_tokens=24, **shape), expected)
 
 
-@pytest.mark.parametrize("shape", [TREE, CHAIN, dict(tree_depth=6, tree_top_k=4, tree_total_tokens=30)])
+@pytest.mark.parametrize("shape", [TREE, CHAIN, dict(tree_depth=6, tree_top_k=4, tree_total_tokens=30), EXACT_TREE],
+                         ids=["tree", "chain", "wide-tree", "exact-tree"])
 def test_greedy_equals_plain_decoding_with_a_draft_that_accepts(llama_target, fitted_draft, shape):
     for prompt in PROMPTS:
         expected = _plain(llama_target, prompt, max_new_tokens=40)
@@ -62,6 +64,17 @@ def test_left_padded_attention_mask_is_honoured(llama_target, fitted_draft):
     attention_mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(PROMPTS[1])], dim=1)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=30)
     assert torch.equal(_eagle(llama_target, fitted_draft, prompt, **kwargs), _plain(llama_target, prompt, **kwargs))
+
+
+def test_exact_attention_needs_sdpa_and_an_unpadded_prompt(llama_target, fitted_draft):
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        _eagle(tiny_target("llama", attn_implementation="eager"), fitted_draft, PROMPTS[1], max_new_tokens=5,
+               exact_attention=True)
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), PROMPTS[1]], dim=1)
+    attention_mask = (padded != 0).long()
+    with pytest.raises(ValueError, match="strip the padding"):
+        _eagle(llama_target, fitted_draft, padded, attention_mask=attention_mask, max_new_tokens=5,
+               exact_attention=True)
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13])
@@ -209,6 +222,12 @@ def test_sliding_window_targets_are_lossless(sliding_target_and_draft, shape):
         assert torch.equal(_eagle(target, draft, prompt, max_new_tokens=30, **shape), expected)
         lengths += draft.generation_stats.acceptance_lengths
     assert max(lengths) >= 2  # drafted nodes were verified and accepted, not only the root
+
+
+def test_exact_attention_refuses_a_sliding_window(sliding_target_and_draft):
+    target, draft = sliding_target_and_draft
+    with pytest.raises(ValueError, match="sliding window"):
+        _eagle(target, draft, PROMPTS[0], max_new_tokens=5, exact_attention=True)
 
 
 def test_the_window_is_applied(sliding_target_and_draft):

@@ -1,0 +1,101 @@
+"""Tree verification attention that gives every node exactly the attention plain decoding would give it.
+
+Verifying a tree in one forward with a mask puts the keys of other branches between or after a node's own keys, and
+the attention kernels' reductions over keys depend on that layout (vector lanes, tails, blocks): in bfloat16 a node's
+logits then differ from what plain decoding computes by up to about half a logit, enough to flip near-ties, so greedy
+outputs part from plain `generate`.
+
+`exact_tree_attention` removes the difference. Each node attends to the keys plain decoding would hold at that point,
+in the same order and nothing else: the prefix, then its own path from the root. The nodes of one depth have key
+sequences of one length, so one call per depth scores them all, the nodes in the batch dimension, through the very
+function plain decoding uses (transformers' sdpa attention) with the arguments it passes: no mask, one query.
+The rest of a decoder layer works row by row; where its kernels also give a row the same result whatever the number of
+rows (the CPU's bfloat16 matrix multiplications do), verified tokens get plain decoding's logits and cache entries bit
+for bit. It applies to full-attention layers over a fully visible prefix; other targets keep the masked forward.
+"""
+
+import contextlib
+import contextvars
+import itertools
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .tree import DraftTree
+
+ATTENTION_NAME = "hf_eagle3_exact_tree"
+
+
+@dataclass
+class TreeKeyLayout:
+    """Which cache entries each tree node attends to: the first `prefix_length`, then its path from the root.
+
+    A `DraftTree` orders its nodes by depth, so the nodes of depth `d` are the range `depth_starts[d]` ..
+    `depth_starts[d + 1]`, and `path_entries[d]` `[n_d * (d + 1)]` holds their paths from the root (root first), one
+    after the other, as cache positions."""
+
+    prefix_length: int
+    depth_starts: list[int]
+    path_entries: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, tree: DraftTree, prefix_length: int) -> "TreeKeyLayout":
+        if bool((tree.depths[1:] < tree.depths[:-1]).any()):
+            raise ValueError("exact tree attention needs the tree's nodes ordered by depth, as build_tree orders them.")
+        starts = [0, *itertools.accumulate(torch.bincount(tree.depths).tolist())]
+        # A node's ancestors in increasing index order are its path from the root (parents precede children).
+        entries = [prefix_length + tree.ancestors[start:end].nonzero()[:, 1] for start, end in zip(starts, starts[1:])]
+        return cls(prefix_length, starts, entries)
+
+
+_active_layout: contextvars.ContextVar[TreeKeyLayout | None] = contextvars.ContextVar(
+    "hf_eagle3_tree_key_layout", default=None
+)
+
+
+def _exact_tree_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """`query` `[1, H, n, D]` for the tree's `n` nodes; `key` / `value` `[1, H_kv, P + n, D]`: prefix, then the nodes.
+    Returns `[1, n, H, D]`, as transformers' attention functions do."""
+    layout = _active_layout.get()
+    if layout is None:  # any forward outside a verification step
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    prefix_length, starts = layout.prefix_length, layout.depth_starts
+    outputs = []
+    for depth, (start, end, entries) in enumerate(zip(starts, starts[1:], layout.path_entries)):
+        if depth == 0:  # the root: the prefix and itself, contiguous in the cache
+            node_keys, node_values = key[:, :, : prefix_length + 1], value[:, :, : prefix_length + 1]
+        else:
+            node_keys, node_values = (
+                torch.cat(
+                    [
+                        states[:, :, :prefix_length].expand(end - start, -1, -1, -1),
+                        states[0].index_select(1, entries).unflatten(1, (end - start, depth + 1)).transpose(0, 1),
+                    ],
+                    dim=2,
+                )  # [n_d, H_kv, P + d + 1, D]
+                for states in (key, value)
+            )
+        node_queries = query[0, :, start:end].transpose(0, 1)[:, :, None]  # [n_d, H, 1, D]
+        node_output, _ = sdpa_attention_forward(module, node_queries, node_keys, node_values, None, **kwargs)
+        outputs.append(node_output.transpose(0, 1))  # [1, n_d, H, D]
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _exact_tree_sdpa)
+
+
+@contextlib.contextmanager
+def exact_tree_attention(model, tree: DraftTree, prefix_length: int):
+    """Within this block, `model`'s forward over the tree's nodes (after `prefix_length` cached entries) attends as
+    plain decoding would, node by node. `model` must use sdpa attention."""
+    config = model.config
+    previous = config._attn_implementation
+    token = _active_layout.set(TreeKeyLayout.of(tree, prefix_length))
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _active_layout.reset(token)
