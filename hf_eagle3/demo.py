@@ -30,7 +30,10 @@ def _timed(function) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, output
 
 
-def run_demo(prompt: str, max_new_tokens: int, dtype: torch.dtype, repetitions: int, threads: int | None) -> dict:
+def run_demo(
+    prompt: str, max_new_tokens: int, dtype: torch.dtype, repetitions: int, threads: int | None,
+    exact_attention: bool = False,
+) -> dict:
     if threads:
         torch.set_num_threads(threads)
     target, tokenizer = load_smollm2(dtype=dtype)
@@ -43,7 +46,10 @@ def run_demo(prompt: str, max_new_tokens: int, dtype: torch.dtype, repetitions: 
         return target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
 
     def eagle():
-        return target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft)
+        return target.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
+            exact_attention=exact_attention,
+        )
 
     plain(), eagle()  # warm-up: every kernel shape of both methods
     plain_seconds, eagle_seconds, acceptance = [], [], []
@@ -68,12 +74,13 @@ def run_demo(prompt: str, max_new_tokens: int, dtype: torch.dtype, repetitions: 
 
 def _run(args: argparse.Namespace) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    result = run_demo(args.prompt, args.max_new_tokens, dtype, args.repetitions, args.threads)
+    result = run_demo(args.prompt, args.max_new_tokens, dtype, args.repetitions, args.threads, args.exact_attention)
     settings = result["settings"]
     print(result["text"])
     print()
     print(f"target: SmolLM2-135M-Instruct ({args.dtype}), draft: shipped EAGLE-3 "
-          f"(tree depth {settings.depth}, top-k {settings.top_k}, {settings.total_tokens} tokens)")
+          f"(tree depth {settings.depth}, top-k {settings.top_k}, {settings.total_tokens} tokens"
+          f"{', exact attention' if args.exact_attention else ''})")
     print(f"plain generate : {result['plain_tokens_per_second']:7.1f} tokens/s")
     print(f"EAGLE-3        : {result['eagle_tokens_per_second']:7.1f} tokens/s")
     print(f"speedup        : {result['speedup']:.2f}x (median of {args.repetitions} interleaved runs)")
@@ -81,7 +88,7 @@ def _run(args: argparse.Namespace) -> None:
     print(f"output identical to plain greedy decoding: {result['identical_to_plain']}")
     if not result["identical_to_plain"] and dtype != torch.float32:
         print("(in reduced precision the multi-token verification forward rounds differently from one-token decoding, "
-              "so near-ties can flip; run with --dtype float32 for bit-identical output)")
+              "so near-ties can flip; --exact-attention or --dtype float32 give plain decoding's output bit for bit)")
 
 
 def register_cli(subparsers) -> None:
@@ -91,4 +98,6 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--exact-attention", action="store_true",
+                        help="verify with exact_attention=True (bf16 output identical to plain decoding, slower)")
     parser.set_defaults(run=_run)
