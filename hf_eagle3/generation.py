@@ -10,7 +10,8 @@ prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` t
 - `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
 
 One decoding cycle: the drafter grows a tree below the last generated token (the root); the target verifies root and
-tree in one forward with a tree attention mask, returning the hidden states the draft fuses; the accepted path and a
+tree in one forward with a tree attention mask (with `exact_attention=True`, each node over exactly plain decoding's
+keys instead: `tree_attention`), returning the hidden states the draft fuses; the accepted path and a
 bonus token are emitted; the target's cache keeps only the accepted path, and the drafter feeds the accepted
 positions' target features to the draft.
 """

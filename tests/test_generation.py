@@ -78,6 +78,14 @@ def test_exact_attention_is_bit_identical_to_plain_decoding_in_bfloat16(family):
         assert torch.equal(_eagle(target, draft, prompt, max_new_tokens=40, **EXACT_TREE), expected)
 
 
+def test_exact_attention_samples_too(llama_target, fitted_draft):
+    torch.manual_seed(0)
+    output = llama_target.generate(PROMPTS[1], do_sample=True, max_new_tokens=20, min_new_tokens=20,
+                                   assistant_model=fitted_draft, **EXACT_TREE)
+    assert output.shape == (1, PROMPTS[1].shape[1] + 20) and torch.equal(output[:, : PROMPTS[1].shape[1]], PROMPTS[1])
+    assert fitted_draft.generation_stats.num_cycles < 20  # drafted tokens were accepted
+
+
 def test_exact_attention_needs_sdpa_and_an_unpadded_prompt(llama_target, fitted_draft):
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         _eagle(tiny_target("llama", attn_implementation="eager"), fitted_draft, PROMPTS[1], max_new_tokens=5,
