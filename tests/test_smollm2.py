@@ -13,6 +13,8 @@ from hf_eagle3 import Eagle3Config, Eagle3DraftModel
 from hf_eagle3.demo import SHIPPED_DRAFT, load_shipped_draft
 from hf_eagle3.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns
 from hf_eagle3.smollm2 import load_smollm2
+from hf_eagle3.trainer import target_forward
+from hf_eagle3.ttt import TrainingTimeTest
 
 pytestmark = pytest.mark.slow
 FULL = os.environ.get("HF_EAGLE3_FULL_CHECK") == "1"
@@ -87,3 +89,30 @@ def test_exact_attention_makes_bfloat16_greedy_decoding_bit_identical():
         )
         assert torch.equal(output, expected)
         assert draft.generation_stats.mean_acceptance_length > 1.5
+
+
+def test_training_time_test_predicts_real_decoding(smollm2):
+    """The trainer's unrolled steps are what decoding computes: replaying a chain-decoded answer through
+    `TrainingTimeTest.unroll` (one full target forward) predicts the acceptance length of every decoding cycle."""
+    target, tokenizer = smollm2
+    draft = load_shipped_draft(torch.float32)
+    input_ids, steps = chat_input_ids(tokenizer, mt_bench_first_turns()[0]), 5
+    output = target.generate(input_ids, max_new_tokens=48, do_sample=False, assistant_model=draft,
+                             tree_top_k=1, tree_depth=steps, tree_total_tokens=steps)
+    with torch.no_grad():
+        features, _ = target_forward(target, output, draft.config.target_layer_ids)
+        # predictions[s][i]: the draft's guess for token i + s + 2 at row i, step s
+        predictions = [draft.draft_to_target[draft.compute_logits(feature)[0].argmax(-1)]
+                       for feature in TrainingTimeTest(draft, steps).unroll(output, features)]
+    length, row, predicted = output.shape[1], input_ids.shape[1] - 1, []
+    while row + 2 < length:  # a cycle whose root is token row + 1
+        accepted = 0
+        while (accepted < steps and row + accepted + 2 < length
+               and predictions[accepted][row] == output[0, row + accepted + 2]):
+            accepted += 1
+        predicted.append(accepted + 1)
+        row += accepted + 1
+    actual = draft.generation_stats.acceptance_lengths[:-1]  # the last cycle was cut by max_new_tokens
+    assert max(actual) > 1
+    # float32 features from one forward vs from the verification forwards: at most a rare near-tie may differ
+    assert sum(a != p for a, p in zip(actual, predicted)) <= 1 and len(predicted) >= len(actual)
