@@ -57,7 +57,8 @@ _active_layout: contextvars.ContextVar[TreeKeyLayout | None] = contextvars.Conte
 
 def _exact_tree_sdpa(module, query, key, value, attention_mask, **kwargs):
     """`query` `[1, H, n, D]` for the tree's `n` nodes; `key` / `value` `[1, H_kv, P + n, D]`: prefix, then the nodes.
-    Returns `[1, n, H, D]`, as transformers' attention functions do."""
+    Returns `[1, n, H, D]`, as transformers' attention functions do. The tree mask is not used: each node is given
+    only the keys it may see."""
     layout = _active_layout.get()
     if layout is None:  # any forward outside a verification step
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
