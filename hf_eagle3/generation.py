@@ -130,9 +130,9 @@ class _TargetAttention:
     """How the target attends during verification: one forward with the masks its layers need (full attention, a
     sliding window, or both kinds of layer (`config.layer_types`), in which case the model takes one mask per kind),
     or, with `exact=True`, each node over exactly the keys plain decoding would give it
-    (`tree_attention.exact_tree_attention`: sdpa and full attention only)."""
+    (`tree_attention.exact_tree_attention`: sdpa, full attention and an unpadded prompt only)."""
 
-    def __init__(self, model, exact: bool):
+    def __init__(self, model, exact: bool, prompt_mask: torch.Tensor | None):
         text_config = model.config.get_text_config()
         window = getattr(text_config, "sliding_window", None)
         self.sliding_window = window if getattr(text_config, "use_sliding_window", True) else None
@@ -153,6 +153,11 @@ class _TargetAttention:
                 f"{type(model).__name__} uses {model.config._attn_implementation!r} attention"
                 f"{' with a sliding window' if self.sliding_window is not None else ''}: load it with "
                 "attn_implementation='sdpa', or drop exact_attention."
+            )
+        if exact and prompt_mask is not None and not prompt_mask.all():
+            raise ValueError(
+                "exact_attention=True needs every prompt token visible (plain decoding over a padded prompt uses a "
+                "mask it cannot reproduce node by node): strip the padding, or drop exact_attention."
             )
 
     def verifying(self, model, tree: DraftTree, prefix_length: int):
@@ -272,13 +277,8 @@ def eagle3_decoding(
         # by sequence position, so keep them all (the verification masks apply the window).
         model_kwargs["cache"] = DynamicCache()
     _check_supported(model, draft, input_ids, generation_config, model_kwargs)
-    attention = _TargetAttention(model, exact=bool(_call_settings.get().get("exact_attention", False)))
-    prompt_mask = model_kwargs.get("attention_mask")
-    if attention.exact and prompt_mask is not None and not prompt_mask.all():
-        raise ValueError(
-            "exact_attention=True needs every prompt token visible (plain decoding over a padded prompt uses a mask "
-            "it cannot reproduce node by node): strip the padding, or drop exact_attention."
-        )
+    exact = bool(_call_settings.get().get("exact_attention", False))
+    attention = _TargetAttention(model, exact, model_kwargs.get("attention_mask"))
     if draft.config.share_target_embedding and draft.embed_tokens.weight is not model.get_input_embeddings().weight:
         draft.attach_target_embedding(model.get_input_embeddings())
     settings = _tree_settings(draft)
