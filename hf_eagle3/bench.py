@@ -58,14 +58,13 @@ def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: i
             methods.append(Method(name, {}))
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
-        elif eagle3_name == "chain":
-            shape = {"tree_depth": depth, "tree_top_k": 1, "tree_total_tokens": depth}
-            methods.append(Method(name, shape | {"exact_attention": exact}))
-        elif eagle3_name == "tree":
-            shape = {"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total_tokens}
-            methods.append(Method(name, shape | {"exact_attention": exact}))
-        elif eagle3_name.startswith("tree:"):
-            tree_depth, tree_top_k, tree_total = (int(part) for part in eagle3_name[5:].split("x"))
+        elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
+            if eagle3_name == "chain":
+                tree_depth, tree_top_k, tree_total = depth, 1, depth
+            elif eagle3_name == "tree":
+                tree_depth, tree_top_k, tree_total = depth, top_k, total_tokens
+            else:
+                tree_depth, tree_top_k, tree_total = (int(part) for part in eagle3_name[5:].split("x"))
             shape = {"tree_depth": tree_depth, "tree_top_k": tree_top_k, "tree_total_tokens": tree_total}
             methods.append(Method(name, shape | {"exact_attention": exact}))
         else:

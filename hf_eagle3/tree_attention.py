@@ -11,7 +11,7 @@ sequences of one length, so one call per depth scores them all, the nodes in the
 function plain decoding uses (transformers' sdpa attention) with the arguments it passes: no mask, one query.
 The rest of a decoder layer works row by row; where its kernels also give a row the same result whatever the number of
 rows (the CPU's bfloat16 matrix multiplications do), verified tokens get plain decoding's logits and cache entries bit
-for bit. It applies to full-attention layers over a fully visible prefix; other targets keep the masked forward.
+for bit. It applies to sdpa full-attention layers over a fully visible prefix; generation refuses it elsewhere.
 """
 
 import contextlib
