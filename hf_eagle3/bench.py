@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
+from .calibration import machine_description, verification_cost
+from .loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
 from .modeling_eagle3 import Eagle3DraftModel
-from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
-from .tree_sizing import verification_cost
 
-PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval")
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
 
@@ -45,12 +44,14 @@ class Method:
 
     @property
     def is_eagle3(self) -> bool:
-        return "tree_top_k" in self.generate_kwargs
+        return "tree_top_k" in self.generate_kwargs or "tree_shape" in self.generate_kwargs
 
 
 def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: int) -> list[Method]:
-    """`plain`, `prompt-lookup`, `chain`, `tree`, or `tree:DEPTHxTOPKxTOTAL` for a tree of another shape; an EAGLE-3
-    method with the suffix `+exact` verifies with `exact_attention=True`."""
+    """`plain`, `prompt-lookup`, `chain`, `tree` (the fixed shape `depth` x `top_k` x `total_tokens`),
+    `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or `auto` (`tree_shape="auto"`: the shape calibrated for
+    this machine, or plain decoding where no tree pays); an EAGLE-3 method with the suffix `+exact` verifies with
+    `exact_attention=True`."""
     methods = []
     for name in names:
         eagle3_name, exact = name.removesuffix("+exact"), name.endswith("+exact")
@@ -58,6 +59,8 @@ def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: i
             methods.append(Method(name, {}))
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
+        elif eagle3_name == "auto":
+            methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact}))
         elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
             if eagle3_name == "chain":
                 tree_depth, tree_top_k, tree_total = depth, 1, depth
@@ -69,39 +72,12 @@ def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: i
             methods.append(Method(name, shape | {"exact_attention": exact}))
         else:
             raise ValueError(
-                f"Unknown method {name!r}: use plain, prompt-lookup, chain, tree or tree:DxKxN (EAGLE-3 methods may "
-                "end in +exact)."
+                f"Unknown method {name!r}: use plain, prompt-lookup, chain, tree, tree:DxKxN or auto (EAGLE-3 "
+                "methods may end in +exact)."
             )
     if methods[0].name != "plain":
         raise ValueError("The first method must be `plain`: speedups and output checks are measured against it.")
     return methods
-
-
-def load_prompt_set(name: str, tokenizer, target, limit: int | None, max_new_tokens: int) -> list[torch.Tensor]:
-    """Token ids `[1, L]` of each prompt of a set: a name from `PROMPT_SETS` or a JSONL file of
-    `{"prompt": ...}` / `{"turns": [...]}` records."""
-    if name == "mt-bench":
-        return [chat_input_ids(tokenizer, q["turns"][0]) for q in mt_bench_questions()[:limit]]
-    if name == "mt-bench-turn-2":  # second turns, after the target's own greedy answer to the first
-        prompts = []
-        for question in mt_bench_questions()[:limit]:
-            first = chat_input_ids(tokenizer, question["turns"][0])
-            answer = target.generate(first, max_new_tokens=max_new_tokens, do_sample=False)[0, first.shape[1] :]
-            messages = [
-                {"role": "user", "content": question["turns"][0]},
-                {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
-                {"role": "user", "content": question["turns"][1]},
-            ]
-            prompts.append(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                              return_dict=True)["input_ids"]
-            )
-        return prompts
-    if name == "humaneval":
-        return [chat_input_ids(tokenizer, prompt) for prompt in humaneval_prompts()[:limit]]
-    records = [json.loads(line) for line in Path(name).read_text().splitlines() if line.strip()]
-    texts = [record["prompt"] if "prompt" in record else record["turns"][0] for record in records]
-    return [chat_input_ids(tokenizer, text) for text in texts[:limit]]
 
 
 def acceptance_by_position(acceptance_lengths: list[int], depth: int) -> list[float | None]:
@@ -203,7 +179,9 @@ def run_benchmark(
                         draft_seconds=run.draft_seconds,
                         verify_seconds=run.verify_seconds,
                         other_seconds=run.other_seconds,
-                        depth=run.settings.depth,
+                        depth=run.settings.depth if run.settings else 0,
+                        shape=(f"{run.settings.depth}x{run.settings.top_k}x{run.settings.total_tokens}"
+                               if run.settings else "plain"),
                     )
                 records.append(record)
                 if records_path is not None:
@@ -231,6 +209,11 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool) -> dict:
             if method.is_eagle3:
                 lengths = [length for r in rows for length in r["acceptance_lengths"]]
                 cycles = len(lengths)
+                entry["shapes"] = sorted({r["shape"] for r in rows})
+                if not cycles:  # tree_shape="auto" decoded plainly: one token per target forward
+                    entry.update(tau=1.0, n_alpha=[], accepted_length_histogram={})
+                    summary.setdefault(set_name, {})[method.name] = entry
+                    continue
                 entry.update(
                     tau=sum(lengths) / cycles,
                     n_alpha=acceptance_by_position(lengths, rows[0]["depth"]),
@@ -244,16 +227,16 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool) -> dict:
 
 def markdown_table(summary: dict) -> str:
     lines = [
-        "| set | method | speedup | tokens/s | τ | 0-α | 1-α | 2-α | draft / verify / other ms per cycle "
-        "| greedy mismatches (near-ties) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| set | method | tree (DxKxN) | speedup | tokens/s | τ | 0-α | 1-α | 2-α | draft / verify / other ms per "
+        "cycle | greedy mismatches (near-ties) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, methods in summary.items():
         for name, entry in methods.items():
             alphas = (entry.get("n_alpha") or [None] * 3)[:3] + [None] * 3
             split = entry.get("cycle_ms")
             lines.append(
-                f"| {set_name} | {name} | {entry['speedup']:.2f}x | {entry['tokens_per_second']:.1f} | "
+                f"| {set_name} | {name} | {', '.join(entry.get('shapes', [])) or '-'} | {entry['speedup']:.2f}x | {entry['tokens_per_second']:.1f} | "
                 + (f"{entry['tau']:.2f}" if "tau" in entry else "-")
                 + "".join(f" | {a:.2f}" if a is not None else " | -" for a in alphas[:3])
                 + (f" | {split['draft']:.1f} / {split['verify']:.1f} / {split['other']:.1f}" if split else " | -")
@@ -297,38 +280,11 @@ def save_plots(summary: dict, output_dir: Path) -> None:
     plt.close(figure)
 
 
-def load_models(args: argparse.Namespace):
-    """(target, tokenizer, draft) from the `add_model_arguments` options, with the torch thread count set."""
-    from .demo import load_shipped_draft
-    from .smollm2 import load_smollm2
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    if args.target == "smollm2":
-        target, tokenizer = load_smollm2(dtype=dtype, device=args.device)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-    draft = (load_shipped_draft(dtype) if args.draft == "shipped"
-             else Eagle3DraftModel.from_pretrained(args.draft, dtype=dtype)).to(args.device).eval()
-    return target, tokenizer, draft
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2", help="model path / Hub id, or 'smollm2' (embedded)")
-    parser.add_argument("--draft", default="shipped", help="draft path / Hub id, or 'shipped'")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
-
-
 def _run(args: argparse.Namespace) -> None:
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
-        costs = verification_cost(target, args.verification_cost)
+        costs = verification_cost(target, args.verification_cost, layer_ids=draft.config.target_layer_ids)
+        print(f"{machine_description(target.device)}, {args.dtype}, {torch.get_num_threads()} torch threads")
         print("| tokens verified | ms | x one decode step |\n|---|---|---|")
         for n, seconds in costs.items():
             print(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |")
@@ -337,7 +293,7 @@ def _run(args: argparse.Namespace) -> None:
         args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
         args.tree_total_tokens or draft.config.tree_total_tokens,
     )
-    prompt_sets = {name: load_prompt_set(name, tokenizer, target, args.limit, args.max_new_tokens)
+    prompt_sets = {name: load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
                    for name in args.prompts}
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
     output_dir = Path(args.output)
@@ -346,9 +302,12 @@ def _run(args: argparse.Namespace) -> None:
     records_path.unlink(missing_ok=True)
     result = run_benchmark(target, draft, prompt_sets, methods, args.max_new_tokens, args.repetitions,
                            sampling, records_path=records_path)
-    result["settings"] = {key: value for key, value in vars(args).items() if key != "run"}
+    machine = machine_description(target.device)
+    result["settings"] = {key: value for key, value in vars(args).items() if key != "run"} | {
+        "machine": machine, "torch_threads": torch.get_num_threads()}
     (output_dir / "bench.json").write_text(json.dumps(result, indent=1))
-    table = markdown_table(result["summary"])
+    table = (f"Measured on {machine}, {args.dtype}, {torch.get_num_threads()} torch threads.\n\n"
+             + markdown_table(result["summary"]))
     (output_dir / "bench.md").write_text(table)
     save_plots(result["summary"], output_dir)
     print(table)
@@ -361,7 +320,8 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
     parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
-                        help="plain (first), prompt-lookup, chain, tree, tree:DEPTHxTOPKxTOTAL; EAGLE-3 methods may "
+                        help="plain (first), prompt-lookup, chain, tree (the draft's fixed defaults), "
+                             "tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this machine); EAGLE-3 methods may "
                              "end in +exact (exact_attention=True: greedy outputs bit-identical to plain on CPU)")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)

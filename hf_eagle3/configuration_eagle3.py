@@ -71,6 +71,16 @@ class Eagle3Config(PreTrainedConfig):
             Default number of children expanded per frontier node, and size of the frontier. `1` drafts a chain.
         tree_total_tokens (`int`, *optional*, defaults to 60):
             Default number of drafted tokens (tree nodes besides the root) the target verifies per cycle.
+        tree_shape (`str`, *optional*, defaults to `"fixed"`):
+            `"fixed"`: decode with `tree_depth`, `tree_top_k` and `tree_total_tokens`. `"auto"`: decode with the shape
+            predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
+            cached; see `hf_eagle3.calibration`), or plainly (without running the draft) when no shape is predicted
+            to beat plain decoding. Passing any tree setting to `generate` decodes with that fixed shape.
+        acceptance_profile (`list[dict]`, *optional*):
+            τ (tokens per target forward) of tree shapes for this draft and its target, one
+            `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}` row per shape, estimated from greedy decoding of
+            calibration prompts (`hf-eagle3 tune-tree --save-to`). It does not depend on the hardware; `tree_shape=
+            "auto"` combines it with the machine's measured costs.
 
     ```python
     >>> from hf_eagle3 import Eagle3Config, Eagle3DraftModel
@@ -108,6 +118,8 @@ class Eagle3Config(PreTrainedConfig):
     tree_depth: int = 6
     tree_top_k: int = 8
     tree_total_tokens: int = 60
+    tree_shape: str = "fixed"
+    acceptance_profile: list[dict] | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -151,6 +163,19 @@ class Eagle3Config(PreTrainedConfig):
         for name in ("tree_depth", "tree_top_k", "tree_total_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tree_shape not in ("fixed", "auto"):
+            problems.append(f"tree_shape must be 'fixed' or 'auto', got {self.tree_shape!r}")
+        if self.tree_shape == "auto" and not self.acceptance_profile:
+            problems.append(
+                "tree_shape='auto' needs an acceptance_profile (record one with `hf-eagle3 tune-tree --save-to`)"
+            )
+        for row in self.acceptance_profile or []:
+            if set(row) != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
+                problems.append(
+                    "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1}, got "
+                    f"{row}"
+                )
+                break
         if problems:
             raise ValueError("Invalid Eagle3Config: " + "; ".join(problems) + ".")
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .loading import load_target
+
 SHAREGPT_ALIAS = "sharegpt"
 ROLE_ALIASES = {
     "system": "system",
@@ -464,31 +466,6 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_cli)
 
 
-def load_target_model(name_or_path: str, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
-    """The target: `"smollm2"` is the embedded SmolLM2-135M-Instruct, anything else a transformers causal-LM path or
-    Hub id."""
-    if name_or_path == "smollm2":
-        from .smollm2 import load_smollm2
-
-        return load_smollm2(dtype, device)[0]
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
-
-
-def load_target(name_or_path: str, dtype: torch.dtype, device: str = "cpu"):
-    """(target model, tokenizer with its chat template); see `load_target_model`."""
-    from transformers import AutoTokenizer
-
-    if name_or_path == "smollm2":
-        from .smollm2 import smollm2_path
-
-        tokenizer_path = smollm2_path()
-    else:
-        tokenizer_path = name_or_path
-    return load_target_model(name_or_path, dtype, device), AutoTokenizer.from_pretrained(tokenizer_path)
-
-
 def _run_cli(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -519,8 +496,6 @@ __all__ = [
     "PreparedData",
     "SkipCounts",
     "load_dataset",
-    "load_target",
-    "load_target_model",
     "normalize_messages",
     "prepare_dataset",
     "read_conversations",

@@ -4,7 +4,9 @@ transformers runs assisted generation through `GenerationMixin._assisted_decodin
 prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` therefore wraps three methods of
 `GenerationMixin`, each of which defers to the original unless the assistant is an `Eagle3DraftModel`:
 
-- `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens` and `exact_attention`;
+- `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens`, `tree_shape` and
+  `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this machine
+  (`calibration.choose_tree`), or runs plain decoding (the draft is not run) when none is predicted to pay;
 - `_validate_generation_mode`: rejects what EAGLE-3 decoding does not support (beam search, several return
   sequences, a different assistant tokenizer, ...) before any work is done;
 - `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
@@ -27,7 +29,9 @@ from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
+from .calibration import choose_tree
 from .compatibility import check_compatibility
 from .drafter import Eagle3Drafter, TreeSettings
 from .modeling_eagle3 import Eagle3DraftModel
@@ -35,7 +39,9 @@ from .tree import DraftTree, tree_attention_mask
 from .tree_attention import exact_tree_attention
 from .verify import accept_among_children, accept_sampled, children, greedy_accept
 
-EAGLE3_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens", "exact_attention")
+TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+EAGLE3_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention")
+logger = logging.get_logger(__name__)
 _call_settings: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_eagle3_call_settings", default={})
 _recording_greedy_cycles: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "hf_eagle3_recording_greedy_cycles", default=False
@@ -60,16 +66,18 @@ class Eagle3GenerationStats:
     `acceptance_lengths[i]` is the number of tokens cycle `i` emitted from one target forward (accepted drafted
     tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
     `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy decoding
-    inside `recording_greedy_cycles()` only.
+    inside `recording_greedy_cycles()` only. With `tree_shape="auto"`, `shape_choice` says which shape was chosen and
+    why; `settings` is `None` when the call decoded plainly (the draft was not run, no cycles).
     """
 
-    settings: TreeSettings
+    settings: TreeSettings | None
     acceptance_lengths: list[int] = field(default_factory=list)
     greedy_cycles: list[tuple[DraftTree, torch.Tensor]] = field(default_factory=list)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    shape_choice: str | None = None
 
     @property
     def num_cycles(self) -> int:
@@ -285,7 +293,7 @@ def eagle3_decoding(
     do_sample = generation_config.do_sample
     record_cycles = not do_sample and _recording_greedy_cycles.get()
     drafter = Eagle3Drafter(draft, settings, (generation_config.temperature or 1.0) if do_sample else None)
-    stats = Eagle3GenerationStats(settings)
+    stats = Eagle3GenerationStats(settings, shape_choice=_call_settings.get().get("shape_choice"))
     draft.generation_stats = stats
     stopwatch = _Stopwatch(stats, input_ids.device)
     start_time = time.perf_counter()
@@ -381,15 +389,49 @@ def _assistant_of(args: tuple, kwargs: dict):
     return kwargs.get("assistant_model", args[6] if len(args) > 6 else None)
 
 
+def _without_assistant(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if "assistant_model" in kwargs:
+        return args, {name: value for name, value in kwargs.items() if name != "assistant_model"}
+    return args[:6] + (None,) + args[7:], kwargs
+
+
+def _resolve_tree_shape(model, draft: Eagle3DraftModel, eagle3_kwargs: dict) -> dict:
+    """The call's settings with `tree_shape` resolved: `"fixed"` (the default when any tree setting is passed)
+    keeps them; `"auto"` (the draft config's `tree_shape` otherwise) adds the shape `calibration.choose_tree`
+    predicts fastest here, or `tree_depth=None` to decode plainly, and the reason as `shape_choice`."""
+    settings = dict(eagle3_kwargs)
+    explicit = [name for name in TREE_KWARGS if name in settings]
+    shape = settings.pop("tree_shape", None) or ("fixed" if explicit else draft.config.tree_shape)
+    if shape not in ("fixed", "auto"):
+        raise ValueError(f"tree_shape must be 'fixed' or 'auto', got {shape!r}.")
+    if shape == "fixed":
+        return settings
+    if explicit:
+        raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(explicit)} or tree_shape.")
+    choice = choose_tree(model, draft)
+    if choice.settings is None:
+        return settings | {"tree_depth": None, "shape_choice": choice.reason}
+    shape = choice.settings
+    return settings | {"tree_depth": shape.depth, "tree_top_k": shape.top_k, "tree_total_tokens": shape.total_tokens,
+                       "shape_choice": choice.reason}
+
+
 def _wrap_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         eagle3_kwargs = {name: kwargs.pop(name) for name in EAGLE3_KWARGS if name in kwargs}
-        if not isinstance(_assistant_of(args, kwargs), Eagle3DraftModel):
+        draft = _assistant_of(args, kwargs)
+        if not isinstance(draft, Eagle3DraftModel):
             if eagle3_kwargs:
                 raise TypeError(f"{sorted(eagle3_kwargs)} only apply with an Eagle3DraftModel as assistant_model.")
             return original(self, *args, **kwargs)
-        token = _call_settings.set(eagle3_kwargs)
+        settings = _resolve_tree_shape(self, draft, eagle3_kwargs)
+        if "tree_depth" in settings and settings["tree_depth"] is None:  # no tree pays here: plain decoding
+            logger.warning_once(settings["shape_choice"])
+            draft.generation_stats = Eagle3GenerationStats(None, shape_choice=settings["shape_choice"])
+            plain_args, plain_kwargs = _without_assistant(args, kwargs)
+            return original(self, *plain_args, **plain_kwargs)
+        token = _call_settings.set(settings)
         try:
             return original(self, *args, **kwargs)
         finally:

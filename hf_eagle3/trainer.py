@@ -33,7 +33,8 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from .compatibility import check_compatibility
 from .configuration_eagle3 import Eagle3Config
-from .data import Example, load_dataset, load_target_model
+from .data import Example, load_dataset
+from .loading import load_target
 from .modeling_eagle3 import Eagle3DraftModel
 from .smollm2 import SMOLLM2_NAME
 from .ttt import TrainingTimeTest
@@ -391,7 +392,7 @@ def train(
     torch.manual_seed(config.seed)
 
     if target is None:
-        target = load_target_model(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
+        target, _ = load_target(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
     target.requires_grad_(False)
     train_examples, eval_examples = _split_examples(config)
     vocabulary_path = output_dir / DRAFT_VOCABULARY_FILE

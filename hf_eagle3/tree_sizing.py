@@ -1,12 +1,8 @@
-"""`hf-eagle3 tune-tree`: the draft tree's shape for a target, a draft and a machine, chosen from measurements (the
-analogue of the official code's automatic tree size).
+"""`hf-eagle3 tune-tree`: a draft's acceptance profile (τ of every tree shape, `Eagle3Config.acceptance_profile`) and
+the tree shape that decodes fastest for a target, a draft and a machine (the analogue of the official code's automatic
+tree size; the speed model and the measured costs are `calibration`'s).
 
-A shape (depth `D`, top-k `K`, `N` drafted tokens) decodes
-
-    τ(D, K, N) / (t_draft(D, K) + t_verify(N + 1) + t_other)
-
-tokens per second. The times are measured here: drafting a tree of each depth, one target forward over the root and
-`N` nodes, and the rest of a real cycle. τ for every `D <= D_max` and `N <= N_max` of one `K` comes from a single
+τ for every `D <= D_max` and `N <= N_max` of one `K` comes from a single
 greedy run with the largest tree. Frontiers do not depend on `D` or `N`, so a smaller tree holds the `N` best of the
 largest tree's candidates of depth <= `D`. Greedy verification accepts the one path of the target's argmax tokens,
 so the smaller tree accepts that path up to the first node it lacks. The smaller trees are evaluated at the largest
@@ -15,14 +11,14 @@ tree's cycle starts, which makes their τ an estimate (a close one) rather than 
 
 import argparse
 import json
-import statistics
-import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from .drafter import Eagle3Drafter, TreeSettings
+from .calibration import MachineCosts, ShapePrediction, measure_costs, predict
 from .generation import recording_greedy_cycles
+from .loading import add_model_arguments, load_models, load_prompt_set
 from .modeling_eagle3 import Eagle3DraftModel
 
 TOTAL_TOKENS_GRID = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
@@ -54,86 +50,24 @@ def accepted_in_smaller_trees(
     return kept.long().cumprod(dim=1).sum(dim=1)  # the path is accepted up to its first missing node
 
 
-@torch.no_grad()
-def verification_cost(target, sizes: list[int], prefix_length: int = 200, repetitions: int = 7) -> dict[int, float]:
-    """Median seconds of one target forward over `n` new tokens after a cached `prefix_length`-token prefix, for each
-    `n` in `sizes` (interleaved repetitions after a warm-up of every size): what a tree of `n - 1` nodes costs."""
-    from transformers import DynamicCache
-
-    device = target.device
-    vocab_size = target.config.vocab_size
-    prefix = torch.randint(0, vocab_size, (1, prefix_length), device=device)
-    cache = DynamicCache()
-    target(prefix, cache=cache)
-    seconds = {n: [] for n in sizes}
-    for repetition in range(repetitions + 1):
-        for n in sizes:
-            tokens = torch.randint(0, vocab_size, (1, n), device=device)
-            start = time.perf_counter()
-            target(tokens, cache=cache, logits_to_keep=0)
-            _synchronize(device)
-            if repetition:  # the first round only warms up
-                seconds[n].append(time.perf_counter() - start)
-            cache.crop(-n)
-    return {n: statistics.median(times) for n, times in seconds.items()}
-
-
-@torch.no_grad()
-def drafting_cost(
-    draft: Eagle3DraftModel, shapes: list[TreeSettings], accepted_per_cycle: int = 2, prefix_length: int = 200,
-    repetitions: int = 7,
-) -> dict[TreeSettings, float]:
-    """Median seconds the draft spends per cycle with each tree shape (interleaved repetitions after a warm-up):
-    feeding `accepted_per_cycle` verified positions, then growing the tree (the draft's embedding must be attached)."""
-    device, dtype = draft.device, draft.dtype
-    vocab_size, feature_size = draft.config.vocab_size, 3 * draft.config.target_hidden_size
-    drafters = {shape: Eagle3Drafter(draft, shape) for shape in shapes}
-    for drafter in drafters.values():
-        drafter.extend(torch.randint(0, vocab_size, (1, prefix_length), device=device),
-                       torch.randn(1, prefix_length, feature_size, device=device, dtype=dtype),
-                       torch.arange(prefix_length, device=device)[None])
-    positions = torch.arange(prefix_length, prefix_length + accepted_per_cycle, device=device)[None]
-    seconds = {shape: [] for shape in shapes}
-    for repetition in range(repetitions + 1):
-        for shape, drafter in drafters.items():
-            tokens = torch.randint(0, vocab_size, (1, accepted_per_cycle), device=device)
-            features = torch.randn(1, accepted_per_cycle, feature_size, device=device, dtype=dtype)
-            start = time.perf_counter()
-            drafter.extend(tokens, features, positions)
-            drafter.draft_tree(tokens[0, -1], prefix_length + accepted_per_cycle)
-            _synchronize(device)
-            if repetition:  # the first round only warms up
-                seconds[shape].append(time.perf_counter() - start)
-            drafter.num_verified = prefix_length  # the next extend drops this cycle's entries
-    return {shape: statistics.median(times) for shape, times in seconds.items()}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def tune_tree(
+def acceptance_profile(
     target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
     max_new_tokens: int = 128, progress: bool = True,
 ) -> list[dict]:
-    """Predicted speed of every tree shape up to `max_depth` x `max_total` for each top-k in `top_ks`, fastest first.
-
-    Each row: `top_k`, `depth`, `total_tokens`, `tau` (tokens per target forward, estimated from one greedy run per
-    top-k with the largest tree over `prompts`), `cycle_ms` (measured), `tokens_per_second` and `speedup` (against a
-    one-token target forward per token, i.e. plain decoding's forward cost). All shapes' costs are measured in the
-    same interleaved rounds, so that they compare.
-    """
+    """τ of every tree shape up to `max_depth` x `max_total` for each top-k in `top_ks`, from one greedy run per
+    top-k with its largest tree over `prompts`: rows `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}`
+    (`Eagle3Config.acceptance_profile`). Shapes with more nodes than their depth has candidates are left out (the
+    same tree as a smaller size)."""
     from tqdm.auto import tqdm
 
     depths = list(range(1, max_depth + 1))
-    calibration = {}  # top_k -> (sizes, τ [depth, size], other seconds per cycle)
+    rows = []
     for top_k in top_ks:
         largest = min(max_total, top_k + (max_depth - 1) * top_k * top_k)  # can't keep more than the candidates
         totals = sorted({n for n in TOTAL_TOKENS_GRID if n < largest} | {largest})
         accepted_sums = torch.zeros(len(depths), len(totals), dtype=torch.long)
-        cycles, other_seconds = 0, 0.0
-        for input_ids in tqdm(prompts, desc=f"tune-tree top-k {top_k}", disable=not progress):
+        cycles = 0
+        for input_ids in tqdm(prompts, desc=f"acceptance profile, top-k {top_k}", disable=not progress):
             with recording_greedy_cycles():
                 target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
                                 tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest)
@@ -144,68 +78,75 @@ def tune_tree(
                     torch.tensor(depths, device=path.device), torch.tensor(totals, device=path.device),
                 ).cpu()
             cycles += stats.num_cycles
-            other_seconds += stats.other_seconds
-        calibration[top_k] = (totals, 1 + accepted_sums.double() / max(cycles, 1), other_seconds / max(cycles, 1))
-
-    sizes = sorted({1} | {total + 1 for totals, _, _ in calibration.values() for total in totals})
-    verify_seconds = verification_cost(target, sizes)
-    shapes = [TreeSettings(depth, top_k, calibration[top_k][0][-1]) for top_k in top_ks for depth in depths]
-    draft_seconds = drafting_cost(draft, shapes)
-    rows = []
-    for shape in shapes:
-        totals, taus, other_seconds = calibration[shape.top_k]
-        for index, total in enumerate(totals):
-            if total > shape.top_k + (shape.depth - 1) * shape.top_k ** 2:
-                continue  # more nodes than a tree of this depth has candidates: the same tree as a smaller size
-            cycle_seconds = draft_seconds[shape] + verify_seconds[total + 1] + other_seconds
-            tau = float(taus[shape.depth - 1, index])
-            rows.append({
-                "top_k": shape.top_k, "depth": shape.depth, "total_tokens": total, "tau": tau,
-                "cycle_ms": 1000 * cycle_seconds, "tokens_per_second": tau / cycle_seconds,
-                "speedup": tau * verify_seconds[1] / cycle_seconds,
-            })
-    return sorted(rows, key=lambda row: -row["tokens_per_second"])
+        taus = 1 + accepted_sums.double() / max(cycles, 1)
+        for depth in depths:
+            for index, total in enumerate(totals):
+                if total <= top_k + (depth - 1) * top_k**2:
+                    rows.append({"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total,
+                                 "tau": round(float(taus[depth - 1, index]), 4)})
+    return rows
 
 
-def markdown_table(rows: list[dict], limit: int = 15) -> str:
+def tune_tree(
+    target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
+    max_new_tokens: int = 128, progress: bool = True,
+) -> tuple[list[dict], list[ShapePrediction], MachineCosts]:
+    """The acceptance profile over `prompts` (see `acceptance_profile`), this machine's costs (measured now, see
+    `calibration.measure_costs`), and every shape's predicted speed, fastest first."""
+    profile = acceptance_profile(target, draft, prompts, top_ks, max_depth, max_total, max_new_tokens, progress)
+    costs = measure_costs(target, draft, profile)
+    return profile, predict(profile, costs), costs
+
+
+def markdown_table(predictions: list[ShapePrediction], costs: MachineCosts, limit: int = 15) -> str:
     lines = ["| top-k | depth | tokens | τ (estimated) | cycle ms | predicted speedup |", "|---|---|---|---|---|---|"]
-    for row in rows[:limit]:
-        lines.append(f"| {row['top_k']} | {row['depth']} | {row['total_tokens']} | {row['tau']:.2f} | "
-                     f"{row['cycle_ms']:.1f} | {row['speedup']:.2f}x |")
+    for prediction in predictions[:limit]:
+        shape = prediction.settings
+        lines.append(f"| {shape.top_k} | {shape.depth} | {shape.total_tokens} | {prediction.tau:.2f} | "
+                     f"{1000 * prediction.cycle_seconds:.1f} | {prediction.tokens_per_second * costs.plain_step:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
 def _run(args: argparse.Namespace) -> None:
-    from .bench import load_models, load_prompt_set
-
     target, tokenizer, draft = load_models(args)
-    prompts = [p for name in args.prompts for p in load_prompt_set(name, tokenizer, target, args.limit,
-                                                                    args.max_new_tokens)]
-    rows = tune_tree(target, draft, prompts, args.top_k, args.max_depth, args.max_total, args.max_new_tokens)
-    print(markdown_table(rows))
-    best = rows[0]
-    print(f"best: tree_depth={best['depth']} tree_top_k={best['top_k']} tree_total_tokens={best['total_tokens']} "
-          f"(predicted {best['speedup']:.2f}x)")
+    prompts = [p for name in args.prompts
+               for p in load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)]
+    profile, predictions, costs = tune_tree(target, draft, prompts, args.top_k, args.max_depth, args.max_total,
+                                            args.max_new_tokens)
+    print(f"measured on {costs.machine}, {args.dtype}, {torch.get_num_threads()} threads: "
+          f"decode step {1000 * costs.plain_step:.1f} ms")
+    print(markdown_table(predictions, costs))
+    best = predictions[0]
+    print(f"best: tree_depth={best.settings.depth} tree_top_k={best.settings.top_k} "
+          f"tree_total_tokens={best.settings.total_tokens} (predicted {best.tokens_per_second * costs.plain_step:.2f}x "
+          "on this machine)")
     if args.output:
-        Path(args.output).write_text(json.dumps(rows, indent=1))
+        rows = [asdict(prediction.settings) | {"tau": prediction.tau, "cycle_ms": 1000 * prediction.cycle_seconds,
+                                               "speedup": prediction.tokens_per_second * costs.plain_step}
+                for prediction in predictions]
+        Path(args.output).write_text(json.dumps({"machine": costs.machine, "shapes": rows}, indent=1))
     if args.save_to:
-        draft.config.tree_depth, draft.config.tree_top_k = best["depth"], best["top_k"]
-        draft.config.tree_total_tokens = best["total_tokens"]
+        draft.config.acceptance_profile = profile
+        draft.config.tree_shape = "auto"
+        shape = best.settings
+        draft.config.tree_depth, draft.config.tree_top_k, draft.config.tree_total_tokens = (
+            shape.depth, shape.top_k, shape.total_tokens)
         draft.save_pretrained(args.save_to)
-        print(f"saved the draft with these tree defaults to {args.save_to}")
+        print(f"saved the draft to {args.save_to} with its acceptance profile and tree_shape='auto' (each machine "
+              "picks its own shape); the fixed tree defaults are this machine's best")
 
 
 def register_cli(subparsers) -> None:
-    from .bench import add_model_arguments
-
     parser = subparsers.add_parser("tune-tree", help="Choose the tree shape that decodes fastest on this machine.")
     add_model_arguments(parser)
-    parser.add_argument("--prompts", nargs="+", default=["mt-bench"], help="calibration prompt sets (see bench)")
-    parser.add_argument("--limit", type=int, default=8, help="prompts per set")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--top-k", type=int, nargs="+", default=[4, 8, 10], help="top-k values to try")
-    parser.add_argument("--max-depth", type=int, default=8)
-    parser.add_argument("--max-total", type=int, default=64, help="largest number of drafted tokens to try")
+    parser.add_argument("--prompts", nargs="+", default=["calibration"],
+                        help="prompt sets (see bench); 'calibration' is none of the benchmark's first prompts")
+    parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2, 4, 8], help="top-k values to try (1: chains)")
+    parser.add_argument("--max-depth", type=int, default=4)
+    parser.add_argument("--max-total", type=int, default=32, help="largest number of drafted tokens to try")
     parser.add_argument("--output", help="write every shape's figures to this JSON file")
-    parser.add_argument("--save-to", help="save the draft with the best shape as its tree defaults to this directory")
+    parser.add_argument("--save-to", help="save the draft with its acceptance profile and tree_shape='auto' (and "
+                                          "this machine's best shape as fixed defaults) to this directory")
     parser.set_defaults(run=_run)

@@ -17,7 +17,7 @@ from hf_eagle3.bench import (
 
 
 def test_methods_from_names():
-    names = ["plain", "prompt-lookup", "chain", "tree", "tree:3x2x5", "tree+exact", "tree:3x2x5+exact"]
+    names = ["plain", "prompt-lookup", "chain", "tree", "tree:3x2x5", "tree+exact", "tree:3x2x5+exact", "auto"]
     methods = methods_from_names(names, 4, 3, 12)
     assert [m.name for m in methods] == names
     fast = {"exact_attention": False}
@@ -25,7 +25,8 @@ def test_methods_from_names():
     assert methods[4].generate_kwargs == {"tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5} | fast
     assert methods[5].generate_kwargs == methods[3].generate_kwargs | {"exact_attention": True}
     assert methods[6].generate_kwargs == methods[4].generate_kwargs | {"exact_attention": True}
-    assert [m.is_eagle3 for m in methods] == [False, False, True, True, True, True, True]
+    assert methods[7].generate_kwargs == {"tree_shape": "auto"} | fast
+    assert [m.is_eagle3 for m in methods] == [False, False, True, True, True, True, True, True]
     with pytest.raises(ValueError, match="first method must be `plain`"):
         methods_from_names(["tree", "plain"], 4, 3, 12)
     with pytest.raises(ValueError, match="Unknown method 'beam'"):
@@ -64,9 +65,29 @@ def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fit
     assert set(tree["cycle_ms"]) == {"draft", "verify", "other"}
 
     table = markdown_table(summary)
-    assert table.count("\n") == 2 + 2 * 4 and "| set-a | tree:3x3x8 |" in table and "| 0 (0) |" in table
+    assert table.count("\n") == 2 + 2 * 4 and "| set-a | tree:3x3x8 | 3x3x8 |" in table and "| 0 (0) |" in table
     save_plots(summary, tmp_path)
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_auto_method_reports_the_calibrated_choice_or_plain_decoding(llama_target, fitted_draft, tmp_path,
+                                                                    monkeypatch):
+    """`auto` where the calibration finds no tree that pays here: reported as plain decoding, τ 1."""
+    import copy
+
+    from hf_eagle3.calibration import calibrate
+
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))
+    draft = copy.deepcopy(fitted_draft)
+    draft.config.acceptance_profile = [{"tree_depth": 1, "tree_top_k": 1, "tree_total_tokens": 1, "tau": 1.01}]
+    draft.config.tree_shape = "auto"
+    calibrate(llama_target, draft)
+    prompts = {"set-a": [torch.randint(1, 90, (1, 7))]}
+    result = run_benchmark(llama_target, draft, prompts, methods_from_names(["plain", "auto"], 3, 3, 8),
+                           max_new_tokens=8, repetitions=1, progress=False)
+    entry = result["summary"]["set-a"]["auto"]
+    assert entry["shapes"] == ["plain"] and entry["tau"] == 1.0 and entry["greedy_mismatches"] == []
+    assert "| set-a | auto | plain |" in markdown_table(result["summary"])
 
 
 def test_first_divergence_measures_both_logit_gaps(llama_target):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel
-from hf_eagle3.demo import SHIPPED_DRAFT, load_shipped_draft
+from hf_eagle3.loading import SHIPPED_DRAFT, load_draft
 from hf_eagle3.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns
 from hf_eagle3.smollm2 import load_smollm2
 from hf_eagle3.trainer import target_forward
@@ -45,7 +45,7 @@ def _random_draft(target) -> Eagle3DraftModel:
 def _drafts(target) -> dict[str, Eagle3DraftModel]:
     drafts = {"random": _random_draft(target)}
     if (SHIPPED_DRAFT / "model.safetensors").exists():
-        drafts["shipped"] = load_shipped_draft(torch.float32)
+        drafts["shipped"] = load_draft("shipped", torch.float32)
     return drafts
 
 
@@ -67,7 +67,7 @@ def test_greedy_eagle3_equals_plain_generate_on_mt_bench_and_humaneval(smollm2):
         input_ids = chat_input_ids(tokenizer, prompt)
         expected = target.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         for name, draft in drafts.items():
-            for shape, kwargs in {"tree": {}, "chain": {"tree_top_k": 1}}.items():
+            for shape, kwargs in {"tree": {"tree_shape": "fixed"}, "chain": {"tree_top_k": 1}}.items():
                 output = target.generate(
                     input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft, **kwargs
                 )
@@ -80,12 +80,13 @@ def test_exact_attention_makes_bfloat16_greedy_decoding_bit_identical():
     """bf16, where the default one-forward verification parts from plain decoding on near-ties: on these prompts it
     does within 10-29 tokens on our CPUs; with `exact_attention=True` every token is plain decoding's."""
     target, tokenizer = load_smollm2(dtype=torch.bfloat16)
-    draft = load_shipped_draft(torch.bfloat16)
+    draft = load_draft("shipped", torch.bfloat16)
     for prompt in [mt_bench_first_turns()[2], mt_bench_first_turns()[5], humaneval_prompts()[0]]:
         input_ids = chat_input_ids(tokenizer, prompt)
         expected = target.generate(input_ids, max_new_tokens=48, do_sample=False)
         output = target.generate(
-            input_ids, max_new_tokens=48, do_sample=False, assistant_model=draft, exact_attention=True
+            input_ids, max_new_tokens=48, do_sample=False, assistant_model=draft, exact_attention=True,
+            tree_shape="fixed",
         )
         assert torch.equal(output, expected)
         assert draft.generation_stats.mean_acceptance_length > 1.5
@@ -95,7 +96,7 @@ def test_training_time_test_predicts_real_decoding(smollm2):
     """The trainer's unrolled steps are what decoding computes: replaying a chain-decoded answer through
     `TrainingTimeTest.unroll` (one full target forward) predicts the acceptance length of every decoding cycle."""
     target, tokenizer = smollm2
-    draft = load_shipped_draft(torch.float32)
+    draft = load_draft("shipped", torch.float32)
     input_ids, steps = chat_input_ids(tokenizer, mt_bench_first_turns()[0]), 5
     output = target.generate(input_ids, max_new_tokens=48, do_sample=False, assistant_model=draft,
                              tree_top_k=1, tree_depth=steps, tree_total_tokens=steps)

@@ -1,12 +1,13 @@
 """Tree sizing: smaller trees' acceptance read off the largest tree's run (exact, checked against building them),
-measured costs, and `tune_tree` on a tiny target."""
+measured costs, the acceptance profile and `tune_tree` on a tiny target."""
 
 import pytest
 import torch
 
 from hf_eagle3.drafter import TreeSettings
 from hf_eagle3.tree import build_tree, expand, select_frontier
-from hf_eagle3.tree_sizing import accepted_in_smaller_trees, drafting_cost, tune_tree, verification_cost
+from hf_eagle3.calibration import drafting_cost, verification_cost
+from hf_eagle3.tree_sizing import accepted_in_smaller_trees, acceptance_profile, tune_tree
 from hf_eagle3.verify import greedy_accept
 
 
@@ -69,14 +70,12 @@ def test_costs_are_measured_for_every_size(llama_target, fitted_draft):
     assert list(draft_costs) == shapes and all(seconds > 0 for seconds in draft_costs.values())
 
 
-def test_tune_tree_ranks_shapes_and_matches_the_largest_run(llama_target, fitted_draft):
+def test_acceptance_profile_matches_the_largest_run(llama_target, fitted_draft):
     torch.manual_seed(0)
     prompts = [torch.randint(1, 90, (1, 6)) for _ in range(2)]
-    rows = tune_tree(llama_target, fitted_draft, prompts, top_ks=[1, 3], max_depth=3, max_total=8,
-                     max_new_tokens=16, progress=False)
-    speeds = [row["tokens_per_second"] for row in rows]
-    assert speeds == sorted(speeds, reverse=True) and all(row["speedup"] > 0 for row in rows)
-    shapes = {(row["top_k"], row["depth"], row["total_tokens"]): row for row in rows}
+    rows = acceptance_profile(llama_target, fitted_draft, prompts, top_ks=[1, 3], max_depth=3, max_total=8,
+                              max_new_tokens=16, progress=False)
+    shapes = {(row["tree_top_k"], row["tree_depth"], row["tree_total_tokens"]): row["tau"] for row in rows}
     assert (3, 1, 4) not in shapes and (1, 3, 3) in shapes and (1, 3, 4) not in shapes  # no more nodes than candidates
     for top_k, total in ((3, 8), (1, 3)):  # the largest tree of each top-k: its τ is the measured one
         lengths = []
@@ -84,5 +83,15 @@ def test_tune_tree_ranks_shapes_and_matches_the_largest_run(llama_target, fitted
             llama_target.generate(input_ids, max_new_tokens=16, do_sample=False, assistant_model=fitted_draft,
                                   tree_depth=3, tree_top_k=top_k, tree_total_tokens=total)
             lengths += fitted_draft.generation_stats.acceptance_lengths
-        assert shapes[(top_k, 3, total)]["tau"] == pytest.approx(sum(lengths) / len(lengths))
-    assert shapes[(3, 3, 8)]["tau"] > shapes[(3, 1, 1)]["tau"] >= 1.0
+        assert shapes[(top_k, 3, total)] == pytest.approx(sum(lengths) / len(lengths), abs=1e-4)
+    assert shapes[(3, 3, 8)] > shapes[(3, 1, 1)] >= 1.0
+
+
+def test_tune_tree_ranks_every_profiled_shape_by_predicted_speed(llama_target, fitted_draft):
+    prompts = [torch.randint(1, 90, (1, 6)) for _ in range(2)]
+    profile, predictions, costs = tune_tree(llama_target, fitted_draft, prompts, top_ks=[1, 3], max_depth=2,
+                                            max_total=4, max_new_tokens=12, progress=False)
+    speeds = [prediction.tokens_per_second for prediction in predictions]
+    assert speeds == sorted(speeds, reverse=True) and len(predictions) == len(profile)
+    assert costs.plain_step > 0 and costs.other >= 0
+    assert set(costs.verify) == {1} | {prediction.settings.total_tokens + 1 for prediction in predictions}

@@ -1,0 +1,183 @@
+"""Configuration of the EAGLE-3 draft model."""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+
+@strict
+class Eagle3Config(PreTrainedConfig):
+    r"""
+    Configuration of an [`Eagle3DraftModel`]: one Llama-style decoder layer that drafts tokens for a *target* model
+    from the target's fused low / middle / high hidden states (EAGLE-3, arXiv:2503.01840), plus the default shape of
+    the EAGLE-2 dynamic draft tree used at generation time.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 32000):
+            Vocabulary size of the **target** model. `generate` checks that an assistant shares the target's
+            vocabulary, and the draft's token embedding (the target's, frozen) has this many rows.
+        draft_vocab_size (`int`, *optional*):
+            Size of the reduced vocabulary the draft's `lm_head` predicts over (the most frequent target tokens of the
+            training data). Defaults to `vocab_size` (no reduction).
+        hidden_size (`int`, *optional*, defaults to 4096):
+            Width `k` of the draft's residual stream. Equals the target's hidden size for every public draft.
+        target_hidden_size (`int`, *optional*):
+            Hidden size `k_t` of the target; `fc` maps the concatenated `3 * k_t` target features to `k`. Defaults to
+            `hidden_size`.
+        intermediate_size (`int`, *optional*, defaults to 14336):
+            Width of the SwiGLU MLP of the decoder layer.
+        num_attention_heads (`int`, *optional*, defaults to 32):
+            Number of query heads of the decoder layer.
+        num_key_value_heads (`int`, *optional*):
+            Number of key / value heads (grouped-query attention). Defaults to `num_attention_heads`.
+        head_dim (`int`, *optional*):
+            Width of one attention head. Defaults to `hidden_size // num_attention_heads`.
+        hidden_act (`str`, *optional*, defaults to `"silu"`):
+            Activation of the MLP's gate projection.
+        rms_norm_eps (`float`, *optional*, defaults to 1e-05):
+            Epsilon of every RMSNorm of the draft.
+        rope_parameters (`RopeParameters` or `dict`, *optional*):
+            RoPE settings of the draft's attention, as in transformers 5 (`{"rope_type": ..., "rope_theta": ...}`).
+            A plain `rope_theta` (what the official EAGLE-3 drafts store) or a legacy `rope_scaling` are accepted and
+            converted. When absent, RoPE is the original one with base 10000: the official drafts use exactly that,
+            whatever RoPE scaling their target uses.
+        max_position_embeddings (`int`, *optional*, defaults to 2048):
+            Longest sequence the draft's RoPE is prepared for.
+        attention_bias (`bool`, *optional*, defaults to `False`):
+            Whether q / k / v / o projections have a bias.
+        attention_dropout (`float`, *optional*, defaults to 0.0):
+            Dropout on the attention probabilities (training only).
+        mlp_bias (`bool`, *optional*, defaults to `False`):
+            Whether the MLP projections have a bias.
+        initializer_range (`float`, *optional*, defaults to 0.02):
+            Standard deviation of the normal initialisation of linear layers.
+        target_layer_ids (`list[int]`, *optional*):
+            Which target hidden states are fused, as indices into a transformers model's `outputs.hidden_states`
+            (index `i` is the residual stream *entering* decoder layer `i`; 0 is the embedding output). Sorted
+            ascending, concatenated low | mid | high. Defaults to `(2, N // 2, N - 3)` for an `N`-layer target, the
+            official choice. Converters translate the "output of layer i" numbering (= index `i + 1`) at the boundary.
+        target_num_hidden_layers (`int`, *optional*):
+            Number of decoder layers `N` of the target; only used to derive the default `target_layer_ids`.
+        target_model_type (`str`, *optional*):
+            `model_type` of the target the draft was trained for (e.g. `"llama"`), recorded for checks and cards.
+        target_name_or_path (`str`, *optional*):
+            Hub id or path of the target the draft was trained for, recorded for checks and cards.
+        share_target_embedding (`bool`, *optional*, defaults to `True`):
+            When `True` the draft's token embedding is the target's input embedding, attached at run time and never
+            written to the draft's checkpoint. When `False` the checkpoint carries its own `embed_tokens.weight`.
+        tree_depth (`int`, *optional*, defaults to 6):
+            Default number of draft expansion steps per decoding cycle (the depth of the draft tree).
+        tree_top_k (`int`, *optional*, defaults to 8):
+            Default number of children expanded per frontier node, and size of the frontier. `1` drafts a chain.
+        tree_total_tokens (`int`, *optional*, defaults to 60):
+            Default number of drafted tokens (tree nodes besides the root) the target verifies per cycle.
+        tree_shape (`str`, *optional*, defaults to `"fixed"`):
+            `"fixed"`: decode with `tree_depth`, `tree_top_k` and `tree_total_tokens`. `"auto"`: decode with the shape
+            predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
+            cached; see `hf_eagle3.calibration`), or plainly (without running the draft) when no shape is predicted
+            to beat plain decoding. Passing any tree setting to `generate` decodes with that fixed shape.
+        acceptance_profile (`list[dict]`, *optional*):
+            τ (tokens per target forward) of tree shapes for this draft and its target, one
+            `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}` row per shape, estimated from greedy decoding of
+            calibration prompts (`hf-eagle3 tune-tree --save-to`). It does not depend on the hardware; `tree_shape=
+            "auto"` combines it with the machine's measured costs.
+
+    ```python
+    >>> from hf_eagle3 import Eagle3Config, Eagle3DraftModel
+    >>> config = Eagle3Config(vocab_size=49152, draft_vocab_size=8192, hidden_size=576, intermediate_size=1536,
+    ...                       num_attention_heads=9, num_key_value_heads=3, target_num_hidden_layers=30)
+    >>> config.target_layer_ids
+    [2, 15, 27]
+    >>> draft = Eagle3DraftModel(config)
+    ```"""
+
+    model_type = "eagle3"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    draft_vocab_size: int | None = None
+    hidden_size: int = 4096
+    target_hidden_size: int | None = None
+    intermediate_size: int = 14336
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    rope_parameters: RopeParameters | dict | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False
+    attention_dropout: int | float = 0.0
+    mlp_bias: bool = False
+    initializer_range: float = 0.02
+    target_layer_ids: list[int] | tuple[int, ...] | None = None
+    target_num_hidden_layers: int | None = None
+    target_model_type: str | None = None
+    target_name_or_path: str | None = None
+    share_target_embedding: bool = True
+    tree_depth: int = 6
+    tree_top_k: int = 8
+    tree_total_tokens: int = 60
+    tree_shape: str = "fixed"
+    acceptance_profile: list[dict] | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
+            n = self.target_num_hidden_layers
+            self.target_layer_ids = [2, n // 2, n - 3]
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = sorted(int(i) for i in self.target_layer_ids)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: the shapes of the draft must be buildable and unambiguous."""
+        problems = []
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            problems.append(
+                f"draft_vocab_size ({self.draft_vocab_size}) must be in [1, vocab_size={self.vocab_size}]"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            problems.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if 3 * self.target_hidden_size == self.hidden_size:
+            problems.append(
+                "hidden_size equals 3 * target_hidden_size, so target features and draft features cannot be told "
+                "apart by width"
+            )
+        if self.target_layer_ids is not None:
+            if len(self.target_layer_ids) != 3:
+                problems.append(f"target_layer_ids must hold 3 indices (low, mid, high), got {self.target_layer_ids}")
+            if min(self.target_layer_ids, default=0) < 0:
+                problems.append(f"target_layer_ids must be non-negative, got {self.target_layer_ids}")
+        for name in ("tree_depth", "tree_top_k", "tree_total_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tree_shape not in ("fixed", "auto"):
+            problems.append(f"tree_shape must be 'fixed' or 'auto', got {self.tree_shape!r}")
+        if self.tree_shape == "auto" and not self.acceptance_profile:
+            problems.append(
+                "tree_shape='auto' needs an acceptance_profile (record one with `hf-eagle3 tune-tree --save-to`)"
+            )
+        for row in self.acceptance_profile or []:
+            if set(row) != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
+                problems.append(
+                    "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1}, got "
+                    f"{row}"
+                )
+                break
+        if problems:
+            raise ValueError("Invalid Eagle3Config: " + "; ".join(problems) + ".")
+
+
+__all__ = ["Eagle3Config"]

@@ -1,0 +1,101 @@
+"""Loaders shared by the commands: targets (a path, a Hub id, or the embedded SmolLM2), drafts (a path, a Hub id, or
+the shipped one), evaluation prompt sets, and the command-line options that name them."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .modeling_eagle3 import Eagle3DraftModel
+from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
+
+SHIPPED_DRAFT = Path(__file__).parent / "assets" / "smollm2-eagle3"
+PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval", "calibration")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_target(
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(target model in eval mode, its tokenizer with chat template). `"smollm2"` is the embedded
+    SmolLM2-135M-Instruct (offline); anything else a transformers causal-LM path or Hub id."""
+    if name_or_path == "smollm2":
+        from .smollm2 import load_smollm2
+
+        return load_smollm2(dtype=dtype, device=device)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(name_or_path)
+
+
+def load_draft(
+    name_or_path: str = "shipped", dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Eagle3DraftModel:
+    """An EAGLE-3 draft in eval mode: a path or Hub id, or `"shipped"`, the draft trained for the embedded SmolLM2
+    target and shipped with the package."""
+    if name_or_path == "shipped":
+        if not (SHIPPED_DRAFT / "model.safetensors").exists():
+            raise FileNotFoundError(
+                f"No shipped draft at {SHIPPED_DRAFT}: reinstall hf-eagle3, or train one with `hf-eagle3 train`."
+            )
+        name_or_path = SHIPPED_DRAFT
+    return Eagle3DraftModel.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+
+
+def prompt_texts(name: str) -> list[str]:
+    """User messages of a prompt set: `mt-bench` (first turns), `humaneval`, `calibration` (MT-bench questions 61-70
+    and HumanEval problems 100-109, which the benchmark's first prompts never reach), or a JSONL file of
+    `{"prompt": ...}` or MT-bench-style `{"turns": [...]}` records."""
+    if name == "mt-bench":
+        return [question["turns"][0] for question in mt_bench_questions()]
+    if name == "humaneval":
+        return humaneval_prompts()
+    if name == "calibration":
+        return prompt_texts("mt-bench")[60:70] + prompt_texts("humaneval")[100:110]
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"Unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file.")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record["prompt"] if "prompt" in record else record["turns"][0] for record in records]
+
+
+def load_prompt_set(
+    name: str, tokenizer, limit: int | None = None, target: PreTrainedModel | None = None, max_new_tokens: int = 128
+) -> list[torch.Tensor]:
+    """Chat-templated `[1, L]` input ids of the first `limit` prompts of the set `name` (see `prompt_texts`).
+    `mt-bench-turn-2` asks each second turn after the target's own greedy answer to the first (`max_new_tokens`)."""
+    if name != "mt-bench-turn-2":
+        return [chat_input_ids(tokenizer, text) for text in prompt_texts(name)[:limit]]
+    if target is None:
+        raise ValueError("The mt-bench-turn-2 prompts hold the target's own first answers: pass target.")
+    prompts = []
+    for question in mt_bench_questions()[:limit]:
+        first = chat_input_ids(tokenizer, question["turns"][0])
+        answer = target.generate(first, max_new_tokens=max_new_tokens, do_sample=False)[0, first.shape[1] :]
+        messages = [
+            {"role": "user", "content": question["turns"][0]},
+            {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+            {"role": "user", "content": question["turns"][1]},
+        ]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                     return_dict=True)["input_ids"])
+    return prompts
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, dtype_default: str = "float32") -> None:
+    parser.add_argument("--target", default="smollm2", help="model path / Hub id, or 'smollm2' (embedded)")
+    parser.add_argument("--draft", default="shipped", help="draft path / Hub id, or 'shipped'")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=dtype_default,
+                        help="bfloat16 is fast only on CPUs with native bf16 matrix units (AMX) and on GPUs")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Eagle3DraftModel]:
+    """(target, tokenizer, draft) from the `add_model_arguments` options, with the torch thread count set."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = load_target(args.target, dtype, args.device)
+    return target, tokenizer, load_draft(args.draft, dtype, args.device)
