@@ -204,6 +204,11 @@ def _check_tensors(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> No
                 f"Buffer {name} has dtype {tensors[name].dtype}; EAGLE-3 checkpoints store it as "
                 f"{expected[name].dtype}."
             )
+    not_finite = sorted(name for name, tensor in tensors.items()
+                        if tensor.is_floating_point() and not torch.isfinite(tensor).all())
+    if not_finite:
+        raise ConversionError(f"The checkpoint has NaN or infinite values in {', '.join(not_finite)}: it would draft "
+                              "garbage. Convert a checkpoint saved before training diverged.")
     weight_dtypes = {tensor.dtype for name, tensor in tensors.items() if name not in VOCABULARY_BUFFERS}
     if len(weight_dtypes) != 1 or not next(iter(weight_dtypes)).is_floating_point:
         raise ConversionError(

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from .checkpoint import ConversionError, TargetInfo
+from .checkpoint import TargetInfo
 from .convert import EXPORT_FORMATS, FORMATS, convert
 from .files import read_json
 
@@ -45,17 +45,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    try:
-        checkpoint, source_format = convert(
-            args.source,
-            args.destination,
-            from_format=args.from_format,
-            to_format=args.to_format,
-            target=_target_info(args),
-            share_target_embedding=args.share_target_embedding,
-        )
-    except ConversionError as error:
-        raise SystemExit(f"hf-eagle3 convert: error: {error}") from error
+    checkpoint, source_format = convert(
+        args.source,
+        args.destination,
+        from_format=args.from_format,
+        to_format=args.to_format,
+        target=_target_info(args),
+        share_target_embedding=args.share_target_embedding,
+    )
     config = checkpoint.config
     print(
         f"Converted {args.source} ({source_format}) -> {args.destination} ({args.to_format}): draft vocabulary "

@@ -1,5 +1,7 @@
 """Reading, writing and converting EAGLE-3 drafts in any known format, through one `DraftCheckpoint`."""
 
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,7 @@ FORMATS: dict[str, CheckpointFormat] = {
     checkpoint_format.name: checkpoint_format
     for checkpoint_format in (hub.FORMAT, official.FORMAT, sglang.FORMAT, speculators.FORMAT, modelopt.FORMAT)
 }
+STAGING_PREFIX = ".hf-eagle3-convert-"
 EXPORT_FORMATS = tuple(name for name, checkpoint_format in FORMATS.items() if checkpoint_format.write is not None)
 
 
@@ -26,8 +29,14 @@ def read_checkpoint(
     they do not settle it.
     """
     files = load_source(_local_folder(source))
+    candidates = [name for name, checkpoint_format in FORMATS.items() if checkpoint_format.detect(files)]
+    if format_name is not None and format_name not in candidates and candidates:
+        # Read as another format, the same config keys mean other things (layer numbering, defaults): refuse.
+        raise ConversionError(
+            f"{source} is a {' or '.join(candidates)} checkpoint, not {format_name} "
+            f"({_format(format_name).description}): pass --from {candidates[0]}, or drop --from."
+        )
     if format_name is None:
-        candidates = [name for name, checkpoint_format in FORMATS.items() if checkpoint_format.detect(files)]
         if len(candidates) != 1:
             found = f"could be any of {', '.join(candidates)}" if candidates else "matches no known format"
             choices = "; ".join(f"{name} ({FORMATS[name].description})" for name in candidates or FORMATS)
@@ -46,12 +55,40 @@ def write_checkpoint(checkpoint: DraftCheckpoint, destination: str | Path, forma
         raise ConversionError(f"{destination} already exists; choose a new folder.")
     # Staged next to the destination's nearest existing ancestor, so the final move is one rename.
     anchor = next(folder for folder in destination.parents if folder.exists())
-    with tempfile.TemporaryDirectory(dir=anchor, prefix=".hf-eagle3-convert-") as staging:
-        staged = Path(staging) / destination.name
-        staged.mkdir()
-        write(checkpoint, staged)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        staged.replace(destination)
+    _remove_abandoned_staging(anchor)
+    try:
+        with tempfile.TemporaryDirectory(dir=anchor, prefix=f"{STAGING_PREFIX}{os.getpid()}-") as staging:
+            staged = Path(staging) / destination.name
+            staged.mkdir()
+            write(checkpoint, staged)
+            umask = os.umask(0)
+            os.umask(umask)
+            # tempfile makes the folder 0700 (and writers may make files 0600): the modes of a folder written in place
+            for path in [staged, *staged.rglob("*")]:
+                path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            staged.replace(destination)
+    except OSError as error:
+        raise ConversionError(f"Cannot write {destination}: {error}. Nothing was written; free space or choose a "
+                              "writable folder.") from error
+
+
+def _remove_abandoned_staging(folder: Path) -> None:
+    """Remove the staging folders that killed conversions left in `folder` (their process is gone)."""
+    for staging in folder.glob(f"{STAGING_PREFIX}*"):
+        pid = staging.name.removeprefix(STAGING_PREFIX).split("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def convert(

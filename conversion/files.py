@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .checkpoint import ConversionError, SourceFiles
@@ -43,10 +44,22 @@ def write_checkpoint_files(folder: Path, config: dict[str, Any], tensors: dict[s
 def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         path = folder / name
+        if path.is_symlink() and not path.exists():
+            raise ConversionError(f"{path} is a link to a missing file ({path.readlink()}): restore it.")
         if not path.is_file():
             continue
         if name.endswith(".index.json"):
-            shards = sorted(set(read_json(path)["weight_map"].values()))
+            weight_map = read_json(path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"{path} has no weight_map: it does not index any shard.")
+            shards = sorted(set(weight_map.values()))
+            inside = folder.resolve()
+            for shard in shards:
+                shard_path = (folder / shard).resolve()
+                if inside not in shard_path.parents:
+                    raise ConversionError(f"{path} lists {shard!r}, which lies outside {folder}: refusing to read it.")
+                if not shard_path.is_file():
+                    raise ConversionError(f"{path} lists {shard!r}, which is missing from {folder}.")
             return {key: tensor for shard in shards for key, tensor in _load_weight_file(folder / shard).items()}
         return _load_weight_file(path)
     raise ConversionError(f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}.")
@@ -54,14 +67,23 @@ def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        return load_file(path)
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as error:
+            raise ConversionError(f"{path} is not a readable safetensors file (truncated or damaged?): {error}") \
+                from error
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise ConversionError(
-            f"{path} holds objects other than tensors, which loading with weights_only=True refuses to unpickle: "
-            f"{str(error).splitlines()[0]}"
+            f"{path} is damaged, or holds objects other than tensors, which loading with weights_only=True refuses "
+            f"to unpickle: {str(error).splitlines()[0]}"
         ) from error
+    except (RuntimeError, EOFError, OSError) as error:
+        raise ConversionError(f"{path} is not a readable PyTorch weight file (truncated or damaged?): {error}") \
+            from error
+    if not isinstance(state, dict):
+        raise ConversionError(f"{path} holds a {type(state).__name__}, not a state dict of named tensors.")
     not_tensors = sorted(key for key, value in state.items() if not isinstance(value, torch.Tensor))
     if not_tensors:
         raise ConversionError(f"{path} is not a plain state dict: {not_tensors} are not tensors.")

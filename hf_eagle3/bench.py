@@ -236,7 +236,8 @@ def markdown_table(summary: dict) -> str:
             alphas = (entry.get("n_alpha") or [None] * 3)[:3] + [None] * 3
             split = entry.get("cycle_ms")
             lines.append(
-                f"| {set_name} | {name} | {', '.join(entry.get('shapes', [])) or '-'} | {entry['speedup']:.2f}x | {entry['tokens_per_second']:.1f} | "
+                f"| {set_name} | {name} | {', '.join(entry.get('shapes', [])) or '-'} | {entry['speedup']:.2f}x | "
+                f"{entry['tokens_per_second']:.1f} | "
                 + (f"{entry['tau']:.2f}" if "tau" in entry else "-")
                 + "".join(f" | {a:.2f}" if a is not None else " | -" for a in alphas[:3])
                 + (f" | {split['draft']:.1f} / {split['verify']:.1f} / {split['other']:.1f}" if split else " | -")

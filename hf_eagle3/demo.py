@@ -65,22 +65,20 @@ def run_demo(
         for name in dtypes:  # warm-up: every kernel shape of every method
             plain(name)
         eagle()
-        plain_seconds, eagle_seconds, taus = {name: [] for name in dtypes}, [], []
+        plain_seconds, plain_outputs, eagle_seconds, taus = {name: [] for name in dtypes}, {}, [], []
         for _ in range(repetitions):  # interleaved, so that machine noise hits every method alike
             for name in dtypes:
-                seconds, plain_output = _seconds(lambda: plain(name))
+                seconds, plain_outputs[name] = _seconds(lambda: plain(name))
                 plain_seconds[name].append(seconds)
-                if name == chosen:
-                    reference = plain_output
             seconds, eagle_output = _seconds(eagle)
             eagle_seconds.append(seconds)
             taus.append(draft.generation_stats.mean_acceptance_length if draft.generation_stats.settings else 1.0)
         new_tokens = eagle_output.shape[1] - input_ids.shape[1]
-        plain_tokens = {name: reference.shape[1] - input_ids.shape[1] for name in dtypes}
+        plain_tokens = {name: output.shape[1] - input_ids.shape[1] for name, output in plain_outputs.items()}
         runs.append({
             "prompt": prompt,
             "text": tokenizer.decode(eagle_output[0, input_ids.shape[1]:], skip_special_tokens=True),
-            "identical_to_plain": torch.equal(reference, eagle_output),
+            "identical_to_plain": torch.equal(plain_outputs[chosen], eagle_output),
             "plain_tokens_per_second": {name: plain_tokens[name] / statistics.median(plain_seconds[name])
                                         for name in dtypes},
             "eagle_tokens_per_second": new_tokens / statistics.median(eagle_seconds),
@@ -110,7 +108,8 @@ def _describe_choice(name: str, choice: TreeChoice) -> str:
     costs = choice.costs
     head = f"  {name:9s}: decode step {1000 * costs.plain_step:5.1f} ms"
     if choice.settings is None:
-        return f"{head}; no tree is predicted to pay (best {choice.predictions[0].tokens_per_second * costs.plain_step:.2f}x): plain decoding"
+        best = choice.predictions[0].tokens_per_second * costs.plain_step
+        return f"{head}; no tree is predicted to pay (the best at {best:.2f}x): plain decoding"
     shape = choice.settings
     return (f"{head}; verifying {shape.total_tokens + 1} tokens {1000 * costs.verify[shape.total_tokens + 1]:5.1f} ms, "
             f"drafting {1000 * costs.draft[shape.depth, shape.top_k]:4.1f} ms -> tree {shape.depth}x{shape.top_k}x"
@@ -150,8 +149,8 @@ def _run(args: argparse.Namespace) -> None:
 
 def register_cli(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="EAGLE-3 vs plain generate on the embedded SmolLM2 target.")
-    parser.add_argument("--prompt", action="append", help=f"a user message (repeatable; default: {len(DEFAULT_PROMPTS)} "
-                                                          "built-in prompts)")
+    parser.add_argument("--prompt", action="append",
+                        help=f"a user message (repeatable; default: {len(DEFAULT_PROMPTS)} built-in prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: the dtype EAGLE-3 is predicted fastest in on this machine, measured")

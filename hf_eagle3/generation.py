@@ -131,7 +131,11 @@ def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, ge
         raise ValueError(
             "flash-attention cannot take a tree attention mask: load the target with attn_implementation='sdpa'."
         )
-    check_compatibility(draft.config, model)
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "EAGLE-3 decoding needs the prompt's token ids (the draft embeds the tokens the target verified): pass "
+            "input_ids instead of inputs_embeds, or generate without assistant_model."
+        )
 
 
 class _TargetAttention:
@@ -339,6 +343,8 @@ def eagle3_decoding(
                 finished = True
                 break
         new_tokens = new_tokens[: kept - input_ids.shape[1]]
+        if stats.acceptance_lengths:  # a cycle cut by a stop counts only the tokens it emitted
+            stats.acceptance_lengths[-1] = new_tokens.numel()
         input_ids = extended[:, :kept]
         if streamer is not None:
             streamer.put(new_tokens.cpu())
@@ -425,6 +431,8 @@ def _wrap_generate(original):
             if eagle3_kwargs:
                 raise TypeError(f"{sorted(eagle3_kwargs)} only apply with an Eagle3DraftModel as assistant_model.")
             return original(self, *args, **kwargs)
+        # before transformers' own assistant checks, which would ask for an assistant tokenizer on a vocabulary mismatch
+        check_compatibility(draft.config, self)
         settings = _resolve_tree_shape(self, draft, eagle3_kwargs)
         if "tree_depth" in settings and settings["tree_depth"] is None:  # no tree pays here: plain decoding
             logger.warning_once(settings["shape_choice"])

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from conversion import ConversionError, DraftCheckpoint, read_checkpoint
@@ -59,8 +59,20 @@ def upload_operations(
         ConversionError: `folder` does not hold a complete draft, or was saved without `auto_map`.
     """
     folder = Path(folder)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"{repo_id!r} is not a Hub repo id (expected `org/name`): {error}") from error
+    config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    model_type = config.get("model_type")
+    if model_type != "eagle3":
+        raise ConversionError(
+            f"{folder} is not an hf-eagle3 draft (config model_type {model_type!r}, expected 'eagle3'): convert it "
+            f"first (`hf-eagle3 convert {folder} NEW_FOLDER`), then push NEW_FOLDER."
+        )
+    files = _files_to_upload(folder)
     checkpoint, _ = read_checkpoint(folder, "hub")
-    auto_map = read_json(folder / "config.json").get("auto_map") or {}
+    auto_map = config.get("auto_map") or {}
     code_files = {folder / (reference.split(".")[0] + ".py") for reference in auto_map.values()}
     if "AutoModel" not in auto_map or not all(path.is_file() for path in code_files):
         raise ConversionError(
@@ -68,11 +80,6 @@ def upload_operations(
             f"trust_remote_code. Re-save it with hf-eagle3 (`hf-eagle3 convert {folder} NEW_FOLDER --from hub`) and "
             "push NEW_FOLDER."
         )
-    files = sorted(
-        path
-        for path in folder.rglob("*")
-        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
     operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), path) for path in files]
     if not (folder / "README.md").is_file():
         results_file = folder / RESULTS_FILE
@@ -81,6 +88,22 @@ def upload_operations(
         card = draft_model_card(checkpoint, repo_id, results)
         operations.append(CommitOperationAdd("README.md", str(card).encode()))
     return operations
+
+
+def _files_to_upload(folder: Path) -> list[Path]:
+    """Every file of `folder` but hidden ones; refuses links to missing files or to files outside the folder."""
+    visible = [path for path in sorted(folder.rglob("*"))
+               if not any(part.startswith(".") for part in path.relative_to(folder).parts)]
+    dangling = [str(path.relative_to(folder)) for path in visible if path.is_symlink() and not path.exists()]
+    if dangling:
+        raise ValueError(f"{', '.join(dangling)} in {folder} link to missing files: restore or remove them.")
+    files = [path for path in visible if path.is_file()]
+    inside = folder.resolve()
+    outside = [str(path.relative_to(folder)) for path in files if inside not in path.resolve().parents]
+    if outside:
+        raise ValueError(f"{', '.join(outside)} in {folder} link to files outside it; pushing them would publish "
+                         "those files. Copy what belongs to the draft into the folder, or remove the links.")
+    return files
 
 
 def push_folder(
@@ -112,7 +135,10 @@ def push_draft(
 
 def load_results(path: str | Path) -> list[dict[str, Any]]:
     """Read a results file: a JSON list of rows with the same keys."""
-    rows = json.loads(Path(path).read_text())
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"Cannot read the results file {path}: {error}") from error
     if not (isinstance(rows, list) and rows and all(isinstance(row, dict) for row in rows)):
         raise ValueError(f"{path} must hold a non-empty JSON list of objects (one per measured setting).")
     return rows
@@ -138,27 +164,24 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    try:
-        results = load_results(args.results) if args.results else None
-        if args.dry_run:
-            operations = upload_operations(args.folder, args.repo_id, results)
-            print(f"Would upload to {args.repo_id}:")
-            for operation in operations:
-                source = operation.path_or_fileobj
-                size = len(source) if isinstance(source, bytes) else Path(source).stat().st_size
-                print(f"  {operation.path_in_repo} ({size} bytes{', generated' if isinstance(source, bytes) else ''})")
-            return
-        commit = push_folder(
-            args.folder,
-            args.repo_id,
-            results=results,
-            commit_message=args.commit_message,
-            private=args.private,
-            revision=args.revision,
-            create_pr=args.create_pr,
-        )
-    except (ValueError, OSError, HfHubHTTPError) as error:
-        raise SystemExit(f"hf-eagle3 push: error: {error}") from error
+    results = load_results(args.results) if args.results else None
+    if args.dry_run:
+        operations = upload_operations(args.folder, args.repo_id, results)
+        print(f"Would upload to {args.repo_id}:")
+        for operation in operations:
+            source = operation.path_or_fileobj
+            size = len(source) if isinstance(source, bytes) else Path(source).stat().st_size
+            print(f"  {operation.path_in_repo} ({size} bytes{', generated' if isinstance(source, bytes) else ''})")
+        return
+    commit = push_folder(
+        args.folder,
+        args.repo_id,
+        results=results,
+        commit_message=args.commit_message,
+        private=args.private,
+        revision=args.revision,
+        create_pr=args.create_pr,
+    )
     print(f"Pushed {args.folder} to {commit.pr_url or commit.commit_url}")
 
 

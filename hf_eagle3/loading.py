@@ -16,17 +16,27 @@ PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval", "calibration")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def load_target_model(
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """The target model in eval mode: `"smollm2"` is the embedded SmolLM2-135M-Instruct (offline); anything else a
+    transformers causal-LM path or Hub id."""
+    if name_or_path == "smollm2":
+        from .smollm2 import load_smollm2
+
+        return load_smollm2(dtype=dtype, device=device)[0]
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+
+
 def load_target(
     name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(target model in eval mode, its tokenizer with chat template). `"smollm2"` is the embedded
-    SmolLM2-135M-Instruct (offline); anything else a transformers causal-LM path or Hub id."""
+    """(target model in eval mode, its tokenizer with chat template); see `load_target_model`."""
     if name_or_path == "smollm2":
         from .smollm2 import load_smollm2
 
         return load_smollm2(dtype=dtype, device=device)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(name_or_path)
+    return load_target_model(name_or_path, dtype, device), AutoTokenizer.from_pretrained(name_or_path)
 
 
 def load_draft(

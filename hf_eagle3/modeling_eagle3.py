@@ -191,11 +191,20 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if model.config.share_target_embedding:
             missing.discard("embed_tokens.weight")
         mismatched = loading_info.get("mismatched_keys") or []
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         if missing or mismatched:
             raise ValueError(
-                f"The checkpoint at {args[0] if args else kwargs.get('pretrained_model_name_or_path')!r} does not "
-                f"hold a complete Eagle3DraftModel: missing {sorted(missing)}, wrong shape {sorted(mismatched)}. "
-                "Convert foreign checkpoints with `hf-eagle3 convert` instead of loading them directly."
+                f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel: missing {sorted(missing)}, "
+                f"wrong shape {sorted(mismatched)}. Convert foreign checkpoints with `hf-eagle3 convert` instead of "
+                "loading them directly."
+            )
+        target_ids = model.draft_to_target
+        if target_ids.min() < 0 or target_ids.max() >= model.config.vocab_size or target_ids.unique().numel() != len(
+                target_ids):
+            raise ValueError(
+                f"The checkpoint at {source!r} maps its draft vocabulary (d2t) to target ids outside [0, "
+                f"{model.config.vocab_size}) or to one id twice: convert it with `hf-eagle3 convert`, which checks and "
+                "repairs the mapping's order."
             )
         return (model, loading_info) if output_loading_info else model
 
@@ -208,6 +217,29 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         except ImportError as error:
             raise ImportError("Pushing an EAGLE-3 draft with its model card needs `pip install hf-eagle3`.") from error
         return push_draft(self, repo_id, **kwargs)
+
+    def _shares_attached_embedding(self) -> bool:
+        return self.config.share_target_embedding and getattr(self, "_target_embedding_attached", False)
+
+    def _apply(self, fn, recurse=True):
+        """`to()`, `half()`, `cuda()`... convert the draft's own tensors, never the target's attached embedding."""
+        if not self._shares_attached_embedding():
+            return super()._apply(fn, recurse)
+        modules = self._modules
+        self._modules = {name: module for name, module in modules.items() if name != "embed_tokens"}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._modules = modules
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The draft's own parameters: an attached target embedding is the target's, not the draft's (so
+        `draft.dtype`, `draft.parameters()` and `draft.requires_grad_()` leave it alone)."""
+        shared = f"{prefix}.embed_tokens.weight" if prefix else "embed_tokens.weight"
+        hide = self._shares_attached_embedding()
+        for name, parameter in super().named_parameters(prefix, recurse, remove_duplicate):
+            if not (hide and name == shared):
+                yield name, parameter
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -285,6 +317,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 "`draft.attach_target_embedding(target.get_input_embeddings())`, or pass the draft to "
                 "`target.generate(..., assistant_model=draft)`, which attaches it."
             )
+        hidden_states = hidden_states.to(self.fc.weight.dtype)  # target features may come in the target's dtype
         width = hidden_states.shape[-1]
         if width == 3 * self.config.target_hidden_size:
             hidden_states = self.fuse(hidden_states)

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import time
@@ -31,16 +32,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
-from .compatibility import check_compatibility
+from .compatibility import check_compatibility, model_name
 from .configuration_eagle3 import Eagle3Config
-from .data import Example, load_dataset
-from .loading import load_target
+from .data import MANIFEST, Example, load_dataset
+from .fingerprint import digest, model_fingerprint
+from .loading import load_target_model
 from .modeling_eagle3 import Eagle3DraftModel
 from .smollm2 import SMOLLM2_NAME
 from .ttt import TrainingTimeTest
 from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary, save_draft_vocabulary
 
 CHECKPOINT_PREFIX = "checkpoint-"
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+# Settings a resumed run may change: where the run lives, and bookkeeping that does not change what it computes.
+RESUMABLE_CHANGES = (
+    "output_dir", "log_every", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "threads",
+)
 DRAFT_VOCABULARY_FILE = "draft_vocab.safetensors"
 
 
@@ -80,6 +87,38 @@ class TrainConfig:
     precompute_features: str | None = None  # directory of precomputed target features (one per dataset and split)
     threads: int | None = None  # torch CPU threads
     save_dtype: str = "float32"  # dtype of the final draft in output_dir/draft (e.g. "bfloat16" to ship it)
+
+    def __post_init__(self):
+        """Refuse settings that would silently ruin a run, naming the valid range."""
+        at_least_one = ("draft_vocab_size", "ttt_steps", "eval_ttt_steps", "batch_size", "gradient_accumulation_steps",
+                        "save_every", "keep_checkpoints", "eval_every", "log_every")
+        problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                    for name in at_least_one if getattr(self, name) < 1]
+        optional_at_least_one = ("max_steps", "threads", "intermediate_size")
+        problems += [f"--{name.replace('_', '-')} must be >= 1 when given, got {getattr(self, name)}"
+                     for name in optional_at_least_one if getattr(self, name) is not None and getattr(self, name) < 1]
+        if self.eval_batches is not None and self.eval_batches < 0:
+            problems.append(f"--eval-batches must be >= 0 when given (0: no held-out evaluation), got "
+                            f"{self.eval_batches}")
+        if not self.max_length >= 3:
+            problems.append(f"--max-length must be >= 3 (a drafted token needs two before it), got {self.max_length}")
+        if not 0 < self.step_decay <= 1:
+            problems.append(f"--step-decay must be in (0, 1], got {self.step_decay}")
+        if not self.max_grad_norm > 0:
+            problems.append(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if not self.learning_rate >= 0:
+            problems.append(f"--learning-rate must be >= 0, got {self.learning_rate}")
+        if not self.epochs > 0:
+            problems.append(f"--epochs must be > 0, got {self.epochs}")
+        if not 0 <= self.eval_fraction < 1:
+            problems.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            problems.append(f"--warmup-steps and --weight-decay must be >= 0, got {self.warmup_steps} and "
+                            f"{self.weight_decay}")
+        if self.save_dtype not in SAVE_DTYPES:
+            problems.append(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if problems:
+            raise ValueError("Invalid training settings: " + "; ".join(problems) + ".")
 
 
 # ------------------------------------------------------------------------------------------------------ batches
@@ -136,12 +175,18 @@ class TargetFeatures:
         self.target = target
         self.layer_ids = layer_ids
         self.precomputed_dir = None if precomputed_dir is None else Path(precomputed_dir)
+        self.split_dirs: dict[str, Path] = {}
 
     def precompute(self, examples: list[Example], split: str, progress: bool = True) -> None:
-        """Write every example's features to `precomputed_dir/split/NNNNNNN.safetensors` (skipping existing ones)."""
+        """Write every example's features to `precomputed_dir/SPLIT-FINGERPRINT/NNNNNNN.safetensors`, skipping those
+        already there. The fingerprint covers the target (config and weights), the tapped layers and the examples'
+        tokens, so features made by another target or for other data are never read back."""
         from tqdm.auto import tqdm
 
-        directory = self.precomputed_dir / split
+        fingerprint = digest([model_fingerprint(self.target), self.layer_ids,
+                              digest([example.input_ids for example in examples])])
+        directory = self.precomputed_dir / f"{split}-{fingerprint}"
+        self.split_dirs[split] = directory
         directory.mkdir(parents=True, exist_ok=True)
         device = self.target.device
         for index in tqdm(range(len(examples)), desc=f"precomputing {split} features", disable=not progress):
@@ -165,7 +210,7 @@ class TargetFeatures:
             features = input_ids.new_zeros((*input_ids.shape, 3 * self.target.config.hidden_size), dtype=dtype)
             final_hidden = input_ids.new_zeros((*input_ids.shape, self.target.config.hidden_size), dtype=dtype)
             for row, index in enumerate(batch["indices"].tolist()):
-                stored = load_file(str(self.precomputed_dir / split / f"{index:07d}.safetensors"))
+                stored = load_file(str(self.split_dirs[split] / f"{index:07d}.safetensors"))
                 length = stored["features"].shape[0]
                 features[row, :length] = stored["features"].to(dtype)
                 final_hidden[row, :length] = stored["final_hidden"].to(dtype)
@@ -314,7 +359,18 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, keep: int) -> Path:
-    """Write weights, optimizer, scheduler, RNG states and `state` to a temporary directory, then rename it."""
+    """Write weights, optimizer, scheduler, RNG states and `state` to a temporary directory, then rename it; a
+    failed write (a full disk, say) leaves the previous checkpoints as they were and says so."""
+    try:
+        return _write_checkpoint(output_dir, draft, optimizer, scheduler, state, keep)
+    except (OSError, RuntimeError) as error:
+        raise OSError(
+            f"Cannot write the step-{state['step']} checkpoint in {output_dir} ({error}): free disk space, then "
+            "continue from the last complete checkpoint with --resume."
+        ) from error
+
+
+def _write_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, keep: int) -> Path:
     final = output_dir / f"{CHECKPOINT_PREFIX}{state['step']:06d}"
     partial = output_dir / f".{final.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -339,9 +395,27 @@ def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, 
 
 
 def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
-    """Restore what `save_checkpoint` wrote into the given objects; returns the trainer state."""
-    draft.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=False)
-    training_state = torch.load(checkpoint / "training_state.pt", weights_only=False)
+    """Restore what `save_checkpoint` wrote into the given objects; returns the trainer state.
+
+    The weights must be exactly the draft's trainable tensors, all finite; the training state is read without
+    unpickling anything but tensors and plain containers (a crafted file cannot run code)."""
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    expected = trainable_state_dict(draft)
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint} does not hold this run's draft: missing {missing}, unexpected {unexpected}.")
+    not_finite = sorted(name for name, tensor in weights.items() if not torch.isfinite(tensor).all())
+    if not_finite:
+        raise ValueError(f"{checkpoint} has NaN or infinite weights in {', '.join(not_finite)}.")
+    try:
+        training_state = torch.load(checkpoint / "training_state.pt", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"{checkpoint / 'training_state.pt'} is not a training state written by `hf-eagle3 train`: it is damaged, "
+            "or holds objects other than tensors and plain containers, and refusing to unpickle those keeps a crafted "
+            f"file from running code ({error})."
+        ) from error
+    draft.load_state_dict(weights, strict=False)  # the keys were checked above; the target's embedding is not saved
     optimizer.load_state_dict(training_state["optimizer"])
     scheduler.load_state_dict(training_state["scheduler"])
     random.setstate(training_state["rng"]["python"])
@@ -351,7 +425,40 @@ def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
     return json.loads((checkpoint / "trainer_state.json").read_text())
 
 
+def resume_from_latest(output_dir: Path, draft, optimizer, scheduler) -> tuple[Path, dict]:
+    """Load the newest complete checkpoint that loads; a corrupt newer one is reported and passed over."""
+    checkpoints = sorted(output_dir.glob(f"{CHECKPOINT_PREFIX}[0-9]*[0-9]"), reverse=True)
+    failures = []
+    for checkpoint in checkpoints:
+        try:
+            return checkpoint, load_checkpoint(checkpoint, draft, optimizer, scheduler)
+        except (ValueError, RuntimeError, OSError, KeyError, json.JSONDecodeError) as error:
+            failures.append(f"{checkpoint.name}: {error}")
+            print(f"warning: cannot resume from {checkpoint} ({error}); trying the previous checkpoint")
+    raise ValueError(f"--resume: no checkpoint in {output_dir} loads ({'; '.join(failures) or 'none found'}): "
+                     "drop --resume and use a new --output-dir to start anew.")
+
+
 # ------------------------------------------------------------------------------------------------------ training
+
+
+def _check_data_fits(config: TrainConfig, target: PreTrainedModel, examples: list[Example]) -> None:
+    """Refuse data tokenized for another vocabulary; warn about answers another model regenerated."""
+    vocab_size = target.config.get_text_config().vocab_size
+    largest = max((max(example.input_ids) for example in examples if example.input_ids), default=-1)
+    if largest >= vocab_size:
+        raise ValueError(
+            f"{config.data} holds token id {largest}, outside the target's vocabulary of {vocab_size}: it was "
+            f"tokenized for another model. Prepare it again with `hf-eagle3 prepare-data --target {config.target}`."
+        )
+    for directory in filter(None, (config.data, config.eval_data)):
+        manifest = Path(directory) / MANIFEST
+        if not manifest.is_file():
+            continue
+        regenerated_by = json.loads(manifest.read_text())["settings"].get("regenerated_by")
+        if regenerated_by and model_name(regenerated_by) != model_name(target.config.name_or_path):
+            print(f"warning: the answers in {directory} were regenerated by {regenerated_by}, not by the target "
+                  f"{target.config.name_or_path}: the draft learns that model's distribution, not this target's.")
 
 
 def _split_examples(config: TrainConfig) -> tuple[list[Example], list[Example]]:
@@ -392,9 +499,10 @@ def train(
     torch.manual_seed(config.seed)
 
     if target is None:
-        target, _ = load_target(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
+        target = load_target_model(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
     target.requires_grad_(False)
     train_examples, eval_examples = _split_examples(config)
+    _check_data_fits(config, target, train_examples + eval_examples)
     vocabulary_path = output_dir / DRAFT_VOCABULARY_FILE
     initial_draft = load_initial_draft(config, target) if config.init_draft is not None else None
     if initial_draft is None:
@@ -436,7 +544,7 @@ def train(
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total_steps)
     state = {"step": 0, "epoch": 0, "round": 0, "history": [], "tokens": 0, "train_seconds": 0.0}
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, draft, optimizer, scheduler)
+        checkpoint, state = resume_from_latest(output_dir, draft, optimizer, scheduler)
     elif accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
     # The scheduler stays unwrapped: total_steps already counts optimizer steps across processes, and accelerate's
@@ -477,6 +585,12 @@ def train(
             with accelerator.no_sync(ttt) if not last_micro_step else nullcontext(), accelerator.autocast():
                 input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
                 output = ttt(input_ids, target_features, target_logits, loss_mask)
+                if not torch.isfinite(output.loss):
+                    raise FloatingPointError(
+                        f"The training loss became {output.loss.item()} at step {state['step'] + 1}: lower "
+                        "--learning-rate or --max-grad-norm, or train in float32 (--no-bf16); resume from the last "
+                        "checkpoint with --resume."
+                    )
                 accelerator.backward(output.loss / accumulation)
             step_tokens += batch["num_tokens"]
             accuracies = output.step_correct / output.step_counts.clamp(min=1)
@@ -552,8 +666,9 @@ def _run_cli(args: argparse.Namespace) -> None:
     config = TrainConfig(**{field.name: getattr(args, field.name) for field in fields(TrainConfig)})
     if args.resume:
         saved = json.loads((Path(config.output_dir) / "train_config.json").read_text())
-        if saved != asdict(config):
-            changed = {k: (saved[k], v) for k, v in asdict(config).items() if saved.get(k) != v}
+        changed = {name: (saved.get(name), value) for name, value in asdict(config).items()
+                   if name not in RESUMABLE_CHANGES and saved.get(name) != value}
+        if changed:
             raise ValueError(f"--resume with settings that differ from the run's train_config.json: {changed}.")
     train(config, resume=args.resume)
 

@@ -102,8 +102,9 @@ def markdown_table(predictions: list[ShapePrediction], costs: MachineCosts, limi
     lines = ["| top-k | depth | tokens | τ (estimated) | cycle ms | predicted speedup |", "|---|---|---|---|---|---|"]
     for prediction in predictions[:limit]:
         shape = prediction.settings
+        speedup = prediction.tokens_per_second * costs.plain_step
         lines.append(f"| {shape.top_k} | {shape.depth} | {shape.total_tokens} | {prediction.tau:.2f} | "
-                     f"{1000 * prediction.cycle_seconds:.1f} | {prediction.tokens_per_second * costs.plain_step:.2f}x |")
+                     f"{1000 * prediction.cycle_seconds:.1f} | {speedup:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

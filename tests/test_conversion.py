@@ -6,6 +6,9 @@ converted draft is checked against a reference forward written here from the for
 
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -450,6 +453,17 @@ def test_import_only_formats_cannot_be_written(tmp_path):
         convert(tmp_path / "hub", tmp_path / "out", to_format="official")
 
 
+@pytest.mark.parametrize("forced", ["sglang", "modelopt", "speculators", "official"])
+def test_forcing_another_format_on_our_own_draft_is_refused(tmp_path, forced):
+    """Read as another format, our `target_layer_ids` would be renumbered or replaced by defaults: refused."""
+    tiny_draft(target_layer_ids=[0, 3, 4]).save_pretrained(tmp_path / "hub")
+    with pytest.raises(ConversionError, match=f"is a hub checkpoint, not {forced}.*--from hub"):
+        convert(tmp_path / "hub", tmp_path / "out", from_format=forced)
+    assert not (tmp_path / "out").exists()
+    checkpoint, _ = convert(tmp_path / "hub", tmp_path / "out", from_format="hub")
+    assert checkpoint.config.target_layer_ids == [0, 3, 4]
+
+
 def test_sharded_checkpoint_is_read_whole(tmp_path):
     tiny_draft().save_pretrained(tmp_path / "hub", max_shard_size="20KB")
     assert (tmp_path / "hub" / "model.safetensors.index.json").is_file()
@@ -655,3 +669,68 @@ def test_cli_reads_the_target_config(tmp_path, capsys, only_our_commands):
     write_json(target_config, {"num_hidden_layers": 12, "hidden_size": HIDDEN, "vocab_size": VOCAB + 1})
     with pytest.raises(SystemExit, match="vocab_size"):
         cli.main(["convert", str(source), str(tmp_path / "out2"), "--target-config", str(target_config)])
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    draft = tiny_draft()
+    with torch.no_grad():
+        draft.fc.weight[0, 0] = float("inf")
+    draft.save_pretrained(tmp_path / "hub")
+    with pytest.raises(ConversionError, match="NaN or infinite values in fc.weight"):
+        convert(tmp_path / "hub", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no weight_map", "has no weight_map"),
+    ("shard outside", "lies outside"),
+    ("missing shard", "is missing from"),
+    ("truncated safetensors", "not a readable safetensors file"),
+    ("bin holding a list", "holds a list, not a state dict"),
+    ("bin holding a tensor", "holds a Tensor, not a state dict"),
+    ("garbage bin", "damaged, or holds objects other than tensors"),
+])
+def test_damaged_weight_files_are_named_not_tracebacks(tmp_path, damage, message):
+    source = tmp_path / "hub"
+    tiny_draft().save_pretrained(source, max_shard_size="20KB" if "shard" in damage or "map" in damage else "1GB")
+    index = source / "model.safetensors.index.json"
+    if damage == "no weight_map":
+        index.write_text(json.dumps({"metadata": {}}))
+    elif damage == "shard outside":
+        weight_map = json.loads(index.read_text())["weight_map"]
+        (tmp_path / "elsewhere.safetensors").write_bytes((source / next(iter(weight_map.values()))).read_bytes())
+        index.write_text(json.dumps({"weight_map": {name: "../elsewhere.safetensors" for name in weight_map}}))
+    elif damage == "missing shard":
+        (source / next(iter(json.loads(index.read_text())["weight_map"].values()))).unlink()
+    elif damage == "truncated safetensors":
+        weights = source / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        (source / "model.safetensors").unlink()
+        contents = {"bin holding a list": [torch.zeros(2)], "bin holding a tensor": torch.zeros(2)}.get(damage)
+        if contents is None:
+            (source / "pytorch_model.bin").write_bytes(b"garbage, not a pickle")
+        else:
+            torch.save(contents, source / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match=message):
+        convert(source, tmp_path / "out")
+
+
+def test_a_killed_conversions_staging_folder_is_removed_by_the_next_run(tmp_path):
+    tiny_draft().save_pretrained(tmp_path / "hub")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = tmp_path / f".hf-eagle3-convert-{dead.stdout.strip()}-abc123"
+    (abandoned / "out").mkdir(parents=True)
+    running = tmp_path / f".hf-eagle3-convert-{os.getpid()}-def456"  # a conversion still running: kept
+    running.mkdir()
+    convert(tmp_path / "hub", tmp_path / "out")
+    assert not abandoned.exists() and running.exists()
+
+
+def test_a_converted_folder_has_the_modes_of_a_folder_written_in_place(tmp_path):
+    tiny_draft().save_pretrained(tmp_path / "hub")
+    convert(tmp_path / "hub", tmp_path / "out")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert all(path.stat().st_mode & 0o777 == 0o666 & ~umask for path in (tmp_path / "out").iterdir())

@@ -153,15 +153,14 @@ def test_prepare_writes_shards_and_resumes_without_regenerating(tmp_path, tokeni
     assert sorted(p.name for p in output.glob("shard-*.jsonl")) == [f"shard-0000{i}.jsonl" for i in range(3)]
     assert len(first.examples) == 5 and json.loads((output / "manifest.json").read_text())["conversations"] == 5
 
-    class NoGeneration(torch.nn.Module):  # resuming must read the shards, never generate again
-        config = tiny_chat_target.config
+    def no_generation(*args, **kwargs):  # resuming must read the shards, never generate again
+        raise AssertionError("regenerated an existing shard")
 
-        def generate(self, *args, **kwargs):
-            raise AssertionError("regenerated an existing shard")
-
-    resumed = prepare_dataset([path], output, tokenizer, target=NoGeneration(), **options)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiny_chat_target, "generate", no_generation)
+        resumed = prepare_dataset([path], output, tokenizer, target=tiny_chat_target, **options)
     assert resumed.examples == first.examples == load_dataset(output)
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match="these differ: max_length"):
         prepare_dataset([path], output, tokenizer, target=tiny_chat_target, **{**options, "max_length": 32})
 
 
@@ -190,3 +189,61 @@ def test_no_usable_conversation_is_an_error_with_the_counts(tmp_path, tokenizer)
 def test_load_dataset_without_shards_says_what_to_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="prepare-data"):
         load_dataset(tmp_path)
+
+
+def test_a_malformed_record_inside_a_json_array_is_skipped_and_the_rest_read(tmp_path):
+    records = [json.dumps(sharegpt_record(f"q{i}", f"a{i}")) for i in range(6)]
+    records[2] = records[2].replace('"value": "q2"', '"value": "q2",, "x": [1, }')  # broken in the middle
+    path = tmp_path / "sharegpt.json"
+    path.write_text("[\n" + ",\n".join(records) + "\n]")
+    skipped = SkipCounts()
+    conversations = list(read_conversations(path, skipped))
+    assert conversations == [conversation(f"q{i}", f"a{i}") for i in (0, 1, 3, 4, 5)]
+    assert skipped == {"malformed JSON record": 1}
+
+
+def test_an_input_edited_in_place_is_not_resumed_from_stale_shards(tmp_path, tokenizer):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conversation(f"question {i}?", "answer")}) for i in range(4)))
+    output = tmp_path / "prepared"
+    options = dict(max_length=64, shard_size=2, progress=False)
+    prepare_dataset([path], output, tokenizer, limit=2, **options)
+    path.write_text("\n".join(json.dumps({"messages": conversation(f"fixed {i}?", "answer")}) for i in range(4)))
+    with pytest.raises(ValueError, match="whose contents have changed since"):
+        prepare_dataset([path], output, tokenizer, limit=4, **options)
+    assert [e.messages[0]["content"] for e in load_dataset(output)] == ["question 0?", "question 1?"]  # untouched
+
+
+def test_shards_of_unknown_origin_are_not_reused(tmp_path, tokenizer):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": conversation("question?", "answer")}))
+    output = tmp_path / "prepared"
+    output.mkdir()
+    (output / "shard-00000.jsonl").write_text(json.dumps({"messages": [], "input_ids": [1, 2], "loss_mask": [0, 1]}))
+    with pytest.raises(ValueError, match="no manifest.json"):
+        prepare_dataset([path], output, tokenizer, progress=False)
+
+
+def test_data_for_another_target_is_not_resumed(tmp_path, tokenizer, tiny_chat_target):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": conversation("question?", "answer")}))
+    output = tmp_path / "prepared"
+    options = dict(max_length=64, max_new_tokens=4, batch_size=4, progress=False)
+    prepare_dataset([path], output, tokenizer, target=tiny_chat_target, **options)
+    other = LlamaForCausalLM(tiny_chat_target.config).eval()  # same shapes and name, other weights
+    with pytest.raises(ValueError, match="these differ: target"):
+        prepare_dataset([path], output, tokenizer, target=other, **options)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [({"limit": 0}, "--limit must be >= 1"), ({"limit": -1}, "--limit must be >= 1"),
+     ({"max_length": -5}, "--max-length must be >= 3"), ({"temperature": -1.0}, "--temperature must be >= 0"),
+     ({"shard_size": 0}, "--shard-size must be >= 1"), ({"batch_size": 0}, "--batch-size must be >= 1")],
+)
+def test_settings_that_would_silently_ruin_the_data_are_refused(tmp_path, tokenizer, setting, message):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": conversation("question?", "answer")}))
+    with pytest.raises(ValueError, match=message):
+        prepare_dataset([path], tmp_path / "out", tokenizer, progress=False, **setting)
+    assert not (tmp_path / "out").exists()

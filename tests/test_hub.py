@@ -13,9 +13,9 @@ import pytest
 from huggingface_hub import HfApi, ModelCard
 from safetensors.torch import load_file, save_file
 
-from conversion import ConversionError
+from conversion import ConversionError, convert
 from hf_eagle3 import cli
-from hf_eagle3.hub import push_folder, upload_operations
+from hf_eagle3.hub import load_results, push_folder, upload_operations
 
 from conftest import tiny_draft
 
@@ -199,3 +199,38 @@ def test_push_refuses_an_incomplete_draft(mocked_hub, saved_draft, damage):
     with pytest.raises(ConversionError, match="missing \\['fc.weight'\\]" if damage == "drop a weight" else "auto_map"):
         push_folder(saved_draft, "org/eagle3-draft")
     assert not create_repo.called and not commits
+
+
+def test_push_refuses_an_invalid_repo_id_even_in_a_dry_run(saved_draft):
+    with pytest.raises(ValueError, match="not a Hub repo id"):
+        upload_operations(saved_draft, "org/name/with/too/many/parts")
+
+
+def test_push_refuses_links_to_files_outside_the_folder(saved_draft, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the Hub")
+    (saved_draft / "notes.txt").symlink_to(secret)
+    with pytest.raises(ValueError, match="notes.txt in .* link to files outside it"):
+        upload_operations(saved_draft, "org/eagle3-draft")
+
+
+def test_push_of_a_folder_that_is_no_draft_says_to_convert_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConversionError, match="is not an hf-eagle3 draft .*hf-eagle3 convert"):
+        upload_operations(tmp_path, "org/eagle3-draft")
+
+
+def test_an_unreadable_results_file_is_named(saved_draft, tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text("[{oops")
+    with pytest.raises(ValueError, match=f"Cannot read the results file {results}"):
+        upload_operations(saved_draft, "org/eagle3-draft", load_results(results))
+
+
+def test_dangling_links_are_named(saved_draft, tmp_path):
+    (saved_draft / "model.safetensors").rename(tmp_path / "moved.safetensors")
+    (saved_draft / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(ValueError, match="link to missing files"):
+        upload_operations(saved_draft, "org/eagle3-draft")
+    with pytest.raises(ConversionError, match="is a link to a missing file"):
+        convert(saved_draft, tmp_path / "out")

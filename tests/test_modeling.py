@@ -21,6 +21,26 @@ def test_config_defaults_follow_the_official_conventions():
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
     assert Eagle3Config(rope_theta=5e5).rope_parameters["rope_theta"] == 5e5
     assert Eagle3Config(target_layer_ids=(27, 2, 15)).target_layer_ids == [2, 15, 27]
+    # targets too shallow for three distinct official taps get three distinct ones
+    assert [Eagle3Config(target_num_hidden_layers=n).target_layer_ids for n in (4, 6, 7)] == [
+        [1, 2, 3], [1, 3, 5], [2, 3, 4]]
+
+
+def test_casting_the_draft_leaves_the_targets_embedding_alone(llama_target, fitted_draft):
+    import copy
+
+    target, draft = copy.deepcopy(llama_target), copy.deepcopy(fitted_draft)
+    prompt = torch.tensor([[5, 17, 33, 2, 61]])
+    expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=draft)  # attaches the embedding
+    draft.to(torch.bfloat16)
+    assert target.get_input_embeddings().weight.dtype == torch.float32
+    assert draft.embed_tokens.weight is target.get_input_embeddings().weight  # still shared, not copied
+    assert draft.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in draft.parameters())
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+    # a bfloat16 draft on a float32 target drafts in bfloat16; the target's logits decide every token
+    output = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    assert torch.equal(output, expected)
 
 
 @pytest.mark.parametrize(
@@ -31,6 +51,13 @@ def test_config_defaults_follow_the_official_conventions():
         (dict(target_layer_ids=[1, 2]), "target_layer_ids"),
         (dict(tree_top_k=0), "tree_top_k"),
         (dict(hidden_size=96, target_hidden_size=32, num_attention_heads=4), "told apart"),
+        (dict(target_layer_ids=[1, 2, 2]), "distinct"),
+        (dict(num_key_value_heads=0), "num_key_value_heads must be >= 1"),
+        (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be > 0"),
+        (dict(rope_theta=-1.0), "rope_theta must be > 0"),
+        (dict(max_position_embeddings=-1), "max_position_embeddings must be >= 1"),
+        (dict(hidden_act="swish2"), "hidden_act 'swish2' is unknown"),
+        (dict(rope_parameters={"rope_type": "mrope", "rope_theta": 1e4}), "rope_type 'mrope' is unknown"),
     ],
 )
 def test_config_rejects_unbuildable_shapes(fields, message):
@@ -177,3 +204,13 @@ def test_untested_transformers_versions_are_refused_clearly():
     for version in ("5.23.0", "5.25.0", "4.57.1"):
         with pytest.raises(ImportError, match="tested with transformers >=5.24.0,<5.25.0"):
             check_transformers_version(version)
+
+
+def test_a_draft_vocabulary_mapped_outside_the_target_vocabulary_is_refused_on_load(tmp_path):
+    draft = tiny_draft(draft_vocab_size=4)
+    draft.set_draft_vocabulary(torch.tensor([3, 5, 17, 90]))
+    with torch.no_grad():
+        draft.d2t[3] = VOCAB  # draft id 3 -> target id VOCAB + 3
+    draft.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"outside \\[0, {VOCAB}\\)"):
+        Eagle3DraftModel.from_pretrained(tmp_path)

@@ -76,11 +76,31 @@ def test_greedy_eagle3_equals_plain_generate_on_mt_bench_and_humaneval(smollm2):
     assert not mismatches
 
 
+def _row_dependent_linear_layers(model, rows: list[int]) -> list[str]:
+    """The model's linear layers whose output for one row changes with the number of rows in the matrix product
+    (on some CPUs bf16 GEMM kernels differ by shape: exact attention cannot make those layers exact)."""
+    generator = torch.Generator().manual_seed(0)
+    dependent = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(("q_proj", "gate_proj", "down_proj", "lm_head")):
+            x = torch.randn(max(rows), module.in_features, generator=generator).to(module.weight.dtype)
+            alone = module(x[:1])
+            if not all(torch.equal(module(x[:m])[:1], alone) for m in rows):
+                dependent.append(name)
+    return dependent
+
+
 def test_exact_attention_makes_bfloat16_greedy_decoding_bit_identical():
     """bf16, where the default one-forward verification parts from plain decoding on near-ties: on these prompts it
-    does within 10-29 tokens on our CPUs; with `exact_attention=True` every token is plain decoding's."""
+    does within 10-29 tokens on our CPUs; with `exact_attention=True` every token is plain decoding's, wherever the
+    CPU's bf16 matrix products give a row the same result whatever the number of rows (the Xeons with AMX; not the
+    Ice Lake Xeon without AMX, whose bf16 lm_head product depends on it)."""
     target, tokenizer = load_smollm2(dtype=torch.bfloat16)
     draft = load_draft("shipped", torch.bfloat16)
+    dependent = _row_dependent_linear_layers(target, [2, 3, 5, 9, 13])
+    if dependent:
+        pytest.skip(f"bf16 matrix products on this CPU depend on the number of rows ({', '.join(dependent[:3])}, ...): "
+                    "no verification of several tokens in one forward can be bit-identical to plain decoding here")
     for prompt in [mt_bench_first_turns()[2], mt_bench_first_turns()[5], humaneval_prompts()[0]]:
         input_ids = chat_input_ids(tokenizer, prompt)
         expected = target.generate(input_ids, max_new_tokens=48, do_sample=False)

@@ -228,3 +228,117 @@ def test_cli_maps_every_option_to_the_config():
     )
     assert args.ttt_steps == 1 and args.bf16 and args.max_steps == 5 and args.learning_rate == 1e-3
     assert args.init_head_from_target is False and args.eval_data is None and args.run is trainer_module._run_cli
+
+
+def _state_that_creates(path):
+    class CreatesAFile:
+        def __reduce__(self):
+            return open, (str(path), "w")
+
+    return {"optimizer": CreatesAFile()}
+
+
+def test_resume_never_unpickles_code_from_a_checkpoint(dataset, target, tmp_path):
+    config = config_for(dataset, tmp_path / "run", max_steps=4)
+    train(config, target=target, progress=False)
+    marker = tmp_path / "created-by-the-checkpoint"
+    torch.save(_state_that_creates(marker), latest_checkpoint(tmp_path / "run") / "training_state.pt")
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        train(config, resume=True, target=target, progress=False)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["missing fc.weight", "NaN weights", "corrupt training state"])
+def test_resume_refuses_a_damaged_checkpoint_and_continues_from_the_previous_one(dataset, target, tmp_path, damage):
+    from safetensors.torch import save_file
+
+    train(config_for(dataset, tmp_path / "straight"), target=target, progress=False)
+    config = config_for(dataset, tmp_path / "damaged")
+    train(config, target=target, progress=False)
+    latest = latest_checkpoint(tmp_path / "damaged")
+    weights = load_file(str(latest / "model.safetensors"))
+    if damage == "missing fc.weight":
+        del weights["fc.weight"]
+    elif damage == "NaN weights":
+        weights["fc.weight"][0, 0] = float("nan")
+    save_file(weights, str(latest / "model.safetensors"))
+    if damage == "corrupt training state":
+        (latest / "training_state.pt").write_bytes(b"not a checkpoint")
+    train(config, resume=True, target=target, progress=False)  # from checkpoint 4, again to step 8
+    expected, got = draft_weights(tmp_path / "straight"), draft_weights(tmp_path / "damaged")
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_a_non_finite_loss_stops_training_with_what_to_do(dataset, target, tmp_path):
+    import copy
+
+    broken = copy.deepcopy(target)
+    with torch.no_grad():
+        broken.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="lower --learning-rate"):
+        train(config_for(dataset, tmp_path), target=broken, progress=False)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [({"max_grad_norm": -1.0}, "--max-grad-norm must be > 0"), ({"step_decay": -0.5}, "--step-decay must be in"),
+     ({"max_steps": -1}, "--max-steps must be >= 1"), ({"max_length": 1}, "--max-length must be >= 3"),
+     ({"epochs": 0.0}, "--epochs must be > 0"), ({"eval_fraction": -0.1}, "--eval-fraction must be in"),
+     ({"keep_checkpoints": -1}, "--keep-checkpoints must be >= 1"), ({"batch_size": 0}, "--batch-size must be >= 1"),
+     ({"gradient_accumulation_steps": 0}, "--gradient-accumulation-steps must be >= 1"),
+     ({"save_every": 0}, "--save-every must be >= 1"), ({"eval_every": 0}, "--eval-every must be >= 1"),
+     ({"log_every": 0}, "--log-every must be >= 1"), ({"save_dtype": "int8"}, "--save-dtype must be one of")],
+)
+def test_settings_that_would_silently_ruin_a_run_are_refused_up_front(dataset, tmp_path, setting, message):
+    with pytest.raises(ValueError, match=message):
+        config_for(dataset, tmp_path, **setting)
+
+
+def test_the_cli_reports_a_bad_setting_in_one_sentence(dataset, tmp_path):
+    from hf_eagle3 import cli
+
+    with pytest.raises(SystemExit, match="hf-eagle3 train: error: Invalid training settings: --max-grad-norm must be"):
+        cli.main(["train", "--data", str(dataset), "--output-dir", str(tmp_path), "--max-grad-norm", "-1"])
+    with pytest.raises(ValueError, match="--max-grad-norm must be > 0"):  # the traceback with --debug
+        cli.main(["--debug", "train", "--data", str(dataset), "--output-dir", str(tmp_path), "--max-grad-norm", "-1"])
+
+
+def test_precomputed_features_of_another_target_are_never_read(dataset, target, tmp_path):
+    examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1])]
+    batch = collate(examples, [0], pad_token_id=0)
+    other = tiny_target("llama", seed=1)  # same hidden size, other weights
+    TargetFeatures(target, [2, 4, 5], tmp_path).precompute(examples, "train", progress=False)
+    shared = TargetFeatures(other, [2, 4, 5], tmp_path)
+    shared.precompute(examples, "train", progress=False)
+    online = TargetFeatures(other, [2, 4, 5])(batch, "train")
+    for got, expected in zip(shared(batch, "train"), online):
+        assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2)
+    assert len(list(tmp_path.glob("train-*"))) == 2
+
+
+def test_data_tokenized_for_another_vocabulary_is_refused(tmp_path, target):
+    directory = tmp_path / "data"
+    directory.mkdir()
+    rows = [{"messages": [], "input_ids": [1, 2, VOCAB + 7, 3], "loss_mask": [0, 1, 1, 1]}] * 8
+    (directory / "shard-00000.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 7}, outside the target's vocabulary of {VOCAB}"):
+        train(config_for(directory, tmp_path / "run"), target=target, progress=False)
+
+
+def test_a_moved_run_directory_resumes_and_bookkeeping_settings_may_change(dataset, target, tmp_path):
+    import shutil
+
+    target.save_pretrained(tmp_path / "target")
+    argv = ["train", "--data", str(dataset), "--target", str(tmp_path / "target"), "--draft-vocab-size", "64",
+            "--intermediate-size", "64", "--ttt-steps", "1", "--max-steps", "2", "--save-every", "2",
+            "--eval-every", "1000", "--eval-batches", "0", "--threads", "1"]
+    first = parse_train_cli([*argv, "--output-dir", str(tmp_path / "run")])
+    first.run(first)
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    (tmp_path / "moved" / "draft").rename(tmp_path / "first-draft")
+    resumed = parse_train_cli([*argv, "--output-dir", str(tmp_path / "moved"), "--log-every", "3", "--resume"])
+    resumed.run(resumed)
+    assert (tmp_path / "moved" / "draft" / "model.safetensors").is_file()
+    changed = parse_train_cli([*argv, "--output-dir", str(tmp_path / "moved"), "--ttt-steps", "2", "--resume"])
+    with pytest.raises(ValueError, match="ttt_steps"):
+        changed.run(changed)
