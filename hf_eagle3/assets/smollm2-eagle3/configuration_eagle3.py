@@ -2,7 +2,8 @@
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 
 @strict
@@ -55,7 +56,9 @@ class Eagle3Config(PreTrainedConfig):
             Which target hidden states are fused, as indices into a transformers model's `outputs.hidden_states`
             (index `i` is the residual stream *entering* decoder layer `i`; 0 is the embedding output). Sorted
             ascending, concatenated low | mid | high. Defaults to `(2, N // 2, N - 3)` for an `N`-layer target, the
-            official choice. Converters translate the "output of layer i" numbering (= index `i + 1`) at the boundary.
+            official choice, and to `(N // 4, N // 2, N - 1)` for targets too shallow for three distinct official taps
+            (fewer than 7 layers). Converters translate the "output of layer i" numbering (= index `i + 1`) at the
+            boundary.
         target_num_hidden_layers (`int`, *optional*):
             Number of decoder layers `N` of the target; only used to derive the default `target_layer_ids`.
         target_model_type (`str`, *optional*):
@@ -133,7 +136,8 @@ class Eagle3Config(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
             n = self.target_num_hidden_layers
-            self.target_layer_ids = [2, n // 2, n - 3]
+            official = [2, n // 2, n - 3]
+            self.target_layer_ids = official if len(set(official)) == 3 and n - 3 > n // 2 else [n // 4, n // 2, n - 1]
         if self.target_layer_ids is not None:
             self.target_layer_ids = sorted(int(i) for i in self.target_layer_ids)
         super().__post_init__(**kwargs)
@@ -141,6 +145,23 @@ class Eagle3Config(PreTrainedConfig):
     def validate_architecture(self):
         """Part of `@strict` validation: the shapes of the draft must be buildable and unambiguous."""
         problems = []
+        for name in ("vocab_size", "hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if problems:  # the checks below divide by these sizes
+            raise ValueError("Invalid Eagle3Config: " + "; ".join(problems) + ".")
+        if not self.rms_norm_eps > 0:
+            problems.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.hidden_act not in ACT2FN:
+            problems.append(f"hidden_act {self.hidden_act!r} is unknown to transformers (e.g. 'silu', 'gelu')")
+        rope = self.rope_parameters or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            problems.append(f"rope_type {rope_type!r} is unknown to transformers (one of: default, "
+                            f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+        if not rope.get("rope_theta", 10000.0) > 0:
+            problems.append(f"rope_theta must be > 0, got {rope.get('rope_theta')}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             problems.append(
                 f"draft_vocab_size ({self.draft_vocab_size}) must be in [1, vocab_size={self.vocab_size}]"
@@ -160,6 +181,8 @@ class Eagle3Config(PreTrainedConfig):
                 problems.append(f"target_layer_ids must hold 3 indices (low, mid, high), got {self.target_layer_ids}")
             if min(self.target_layer_ids, default=0) < 0:
                 problems.append(f"target_layer_ids must be non-negative, got {self.target_layer_ids}")
+            if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+                problems.append(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
         for name in ("tree_depth", "tree_top_k", "tree_total_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
