@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from huggingface_hub import snapshot_download
+from safetensors import SafetensorError
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
 from . import hub, modelopt, official, sglang, speculators
@@ -68,7 +69,7 @@ def write_checkpoint(checkpoint: DraftCheckpoint, destination: str | Path, forma
                 path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
             destination.parent.mkdir(parents=True, exist_ok=True)
             staged.replace(destination)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
         raise ConversionError(f"Cannot write {destination}: {error}. Nothing was written; free space or choose a "
                               "writable folder.") from error
 

@@ -11,13 +11,15 @@ positions, its own previous output `a_i`) together with the embedding of token `
     logits = lm_head(norm(a))                             # [B, T, draft_vocab_size]
 
 Weight names match the official and SpecForge checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`).
-This file only imports torch and transformers, so it also serves as the remote code of saved checkpoints.
+This file only imports torch, transformers and safetensors (a transformers dependency), so it also serves as the
+remote code of saved checkpoints.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -186,12 +188,18 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, refusing checkpoints that leave any draft weight uninitialised."""
         output_loading_info = kwargs.pop("output_loading_info", False)
-        model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        try:
+            model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except SafetensorError as error:
+            raise ValueError(
+                f"The weights of the draft at {source!r} cannot be read ({error}): the file is truncated or damaged. "
+                "Download or save the draft again."
+            ) from error
         missing = set(loading_info["missing_keys"])
         if model.config.share_target_embedding:
             missing.discard("embed_tokens.weight")
         mismatched = loading_info.get("mismatched_keys") or []
-        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         if missing or mismatched:
             raise ValueError(
                 f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel: missing {sorted(missing)}, "

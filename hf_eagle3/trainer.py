@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
@@ -363,7 +364,7 @@ def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, 
     failed write (a full disk, say) leaves the previous checkpoints as they were and says so."""
     try:
         return _write_checkpoint(output_dir, draft, optimizer, scheduler, state, keep)
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, SafetensorError) as error:
         raise OSError(
             f"Cannot write the step-{state['step']} checkpoint in {output_dir} ({error}): free disk space, then "
             "continue from the last complete checkpoint with --resume."

@@ -734,3 +734,26 @@ def test_a_converted_folder_has_the_modes_of_a_folder_written_in_place(tmp_path)
     os.umask(umask)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
     assert all(path.stat().st_mode & 0o777 == 0o666 & ~umask for path in (tmp_path / "out").iterdir())
+
+
+FULL_DISK = """
+import resource, signal, sys
+sys.path.insert(0, {tests!r})
+from conversion import ConversionError, convert
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+try:
+    convert({source!r}, {destination!r})
+except ConversionError as error:
+    print(error)
+"""
+
+
+@pytest.mark.parametrize("limit", [8_000, 30_000])  # the failure lands in the code files / in the weights
+def test_a_full_destination_writes_nothing_and_says_so(tmp_path, limit):
+    tiny_draft().save_pretrained(tmp_path / "hub")
+    script = FULL_DISK.format(tests=str(Path(__file__).parent), limit=limit, source=str(tmp_path / "hub"),
+                              destination=str(tmp_path / "out"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "Nothing was written; free space" in result.stdout, result.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".hf-eagle3-convert-*"))

@@ -214,3 +214,11 @@ def test_a_draft_vocabulary_mapped_outside_the_target_vocabulary_is_refused_on_l
     draft.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"outside \\[0, {VOCAB}\\)"):
         Eagle3DraftModel.from_pretrained(tmp_path)
+
+
+def test_a_truncated_checkpoint_is_named_on_load(tmp_path):
+    tiny_draft().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="truncated or damaged"):
+        Eagle3DraftModel.from_pretrained(tmp_path)
