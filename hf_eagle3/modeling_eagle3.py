@@ -207,8 +207,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 "loading them directly."
             )
         target_ids = model.draft_to_target
-        if target_ids.min() < 0 or target_ids.max() >= model.config.vocab_size or target_ids.unique().numel() != len(
-                target_ids):
+        in_vocabulary = bool(((target_ids >= 0) & (target_ids < model.config.vocab_size)).all())
+        if not in_vocabulary or target_ids.unique().numel() != target_ids.numel():
             raise ValueError(
                 f"The checkpoint at {source!r} maps its draft vocabulary (d2t) to target ids outside [0, "
                 f"{model.config.vocab_size}) or to one id twice: convert it with `hf-eagle3 convert`, which checks and "
