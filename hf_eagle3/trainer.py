@@ -40,6 +40,7 @@ from .fingerprint import digest, model_fingerprint
 from .loading import load_target_model
 from .modeling_eagle3 import Eagle3DraftModel
 from .smollm2 import SMOLLM2_NAME
+from .tree_sizing import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest
 from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary, save_draft_vocabulary
 
@@ -88,6 +89,8 @@ class TrainConfig:
     precompute_features: str | None = None  # directory of precomputed target features (one per dataset and split)
     threads: int | None = None  # torch CPU threads
     save_dtype: str = "float32"  # dtype of the final draft in output_dir/draft (e.g. "bfloat16" to ship it)
+    profile_prompts: int = 8  # held-out prompts the final draft's acceptance profile is measured on (0: none), so
+    # that the saved draft decodes with tree_shape="auto" (see `tree_sizing.acceptance_profile`)
 
     def __post_init__(self):
         """Refuse settings that would silently ruin a run, naming the valid range."""
@@ -113,6 +116,8 @@ class TrainConfig:
             problems.append(f"--epochs must be > 0, got {self.epochs}")
         if not 0 <= self.eval_fraction < 1:
             problems.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.profile_prompts < 0:
+            problems.append(f"--profile-prompts must be >= 0 (0: no acceptance profile), got {self.profile_prompts}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             problems.append(f"--warmup-steps and --weight-decay must be >= 0, got {self.warmup_steps} and "
                             f"{self.weight_decay}")
@@ -267,6 +272,19 @@ def load_initial_draft(config: TrainConfig, target: PreTrainedModel) -> Eagle3Dr
             f"run asks for {config.draft_vocab_size}: pass --draft-vocab-size {initial.config.draft_vocab_size}."
         )
     return initial
+
+
+def record_acceptance_profile(draft: Eagle3DraftModel, target, examples: list[Example], progress: bool) -> None:
+    """Measure the draft's acceptance profile by greedy decoding of the prompts of `examples` (everything before
+    their first answer token) and record it in its config with `tree_shape="auto"`; nothing without examples."""
+    prompts = [torch.tensor([e.input_ids[: e.loss_mask.index(1)]], device=target.device)
+               for e in examples if 1 in e.loss_mask[1:]]
+    if not prompts:
+        return
+    draft.eval()
+    draft.config.acceptance_profile = acceptance_profile(target, draft, prompts, PROFILE_TOP_KS, PROFILE_MAX_DEPTH,
+                                                         PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, progress)
+    draft.config.tree_shape = "auto"
 
 
 def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtype) -> None:
@@ -632,6 +650,7 @@ def train(
 
     draft = accelerator.unwrap_model(ttt).draft
     if accelerator.is_main_process:
+        record_acceptance_profile(draft, target, eval_examples[: config.profile_prompts], show_progress)
         save_draft(draft, output_dir / "draft", getattr(torch, config.save_dtype))
     return draft
 

@@ -21,6 +21,8 @@ from .generation import recording_greedy_cycles
 from .loading import add_model_arguments, load_models, load_prompt_set
 from .modeling_eagle3 import Eagle3DraftModel
 
+# The shapes an acceptance profile covers by default (`tune-tree`, and the trainer's final draft)
+PROFILE_TOP_KS, PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS = (1, 2, 4, 8), 4, 32, 96
 TOTAL_TOKENS_GRID = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 
@@ -143,10 +145,12 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["calibration"],
                         help="prompt sets (see bench); 'calibration' is none of the benchmark's first prompts")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2, 4, 8], help="top-k values to try (1: chains)")
-    parser.add_argument("--max-depth", type=int, default=4)
-    parser.add_argument("--max-total", type=int, default=32, help="largest number of drafted tokens to try")
+    parser.add_argument("--max-new-tokens", type=int, default=PROFILE_NEW_TOKENS)
+    parser.add_argument("--top-k", type=int, nargs="+", default=list(PROFILE_TOP_KS),
+                        help="top-k values to try (1: chains)")
+    parser.add_argument("--max-depth", type=int, default=PROFILE_MAX_DEPTH)
+    parser.add_argument("--max-total", type=int, default=PROFILE_MAX_TOTAL,
+                        help="largest number of drafted tokens to try")
     parser.add_argument("--output", help="write every shape's figures to this JSON file")
     parser.add_argument("--save-to", help="save the draft with its acceptance profile and tree_shape='auto' (and "
                                           "this machine's best shape as fixed defaults) to this directory")
