@@ -22,6 +22,19 @@ class TreeSettings:
         for name in ("depth", "top_k", "total_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"tree_{name} must be a positive integer, got {getattr(self, name)!r}.")
+        candidates = max_candidates(self.depth, self.top_k)
+        if self.total_tokens > candidates:
+            raise ValueError(
+                f"tree_total_tokens={self.total_tokens} exceeds the {candidates} candidates a tree of depth "
+                f"{self.depth} and top-k {self.top_k} drafts: lower tree_total_tokens, or raise tree_depth / "
+                "tree_top_k."
+            )
+
+
+def max_candidates(depth: int, top_k: int) -> int:
+    """Candidates a tree expansion of `depth` levels drafts: `top_k` children of the root, then `top_k` children of
+    each of the `top_k` frontier nodes per further level."""
+    return top_k + (depth - 1) * top_k * top_k
 
 
 class Eagle3Drafter:

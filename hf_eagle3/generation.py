@@ -33,7 +33,7 @@ from transformers.utils import logging
 
 from .calibration import choose_tree
 from .compatibility import check_compatibility
-from .drafter import Eagle3Drafter, TreeSettings
+from .drafter import Eagle3Drafter, TreeSettings, max_candidates
 from .modeling_eagle3 import Eagle3DraftModel
 from .tree import DraftTree, tree_attention_mask
 from .tree_attention import exact_tree_attention
@@ -41,6 +41,8 @@ from .verify import accept_among_children, accept_sampled, children, greedy_acce
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
 EAGLE3_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention")
+# transformers' settings for its own candidate generators: they would be silently ignored
+ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 logger = logging.get_logger(__name__)
 _call_settings: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_eagle3_call_settings", default={})
 _recording_greedy_cycles: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -187,12 +189,13 @@ class _TargetAttention:
 
 
 def _tree_settings(draft: Eagle3DraftModel) -> TreeSettings:
+    """The call's tree: its settings, else the draft config's defaults. A default size is capped at what the tree
+    holds (`tree_top_k=1` alone drafts the whole chain); a size passed to the call must fit (`TreeSettings`)."""
     overrides = _call_settings.get()
-    settings = TreeSettings(
-        depth=overrides.get("tree_depth", draft.config.tree_depth),
-        top_k=overrides.get("tree_top_k", draft.config.tree_top_k),
-        total_tokens=overrides.get("tree_total_tokens", draft.config.tree_total_tokens),
-    )
+    depth = overrides.get("tree_depth", draft.config.tree_depth)
+    top_k = overrides.get("tree_top_k", draft.config.tree_top_k)
+    default_total = min(draft.config.tree_total_tokens, max_candidates(depth, top_k))
+    settings = TreeSettings(depth, top_k, overrides.get("tree_total_tokens", default_total))
     if settings.top_k > draft.config.draft_vocab_size:
         raise ValueError(f"tree_top_k={settings.top_k} exceeds the draft vocabulary ({draft.config.draft_vocab_size}).")
     return settings
@@ -431,6 +434,12 @@ def _wrap_generate(original):
             if eagle3_kwargs:
                 raise TypeError(f"{sorted(eagle3_kwargs)} only apply with an Eagle3DraftModel as assistant_model.")
             return original(self, *args, **kwargs)
+        ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if name in kwargs)
+        if ignored:
+            raise TypeError(
+                f"{', '.join(ignored)} size transformers' own assisted generation, which EAGLE-3 replaces: drop them, "
+                "and set tree_depth / tree_top_k / tree_total_tokens (or tree_shape='auto') instead."
+            )
         # before transformers' own assistant checks, which would ask for an assistant tokenizer on a vocabulary mismatch
         check_compatibility(draft.config, self)
         settings = _resolve_tree_shape(self, draft, eagle3_kwargs)

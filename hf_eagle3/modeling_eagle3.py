@@ -179,6 +179,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.post_init()
+        self.generation_stats = None  # what the last EAGLE-3 `generate` call did (`Eagle3GenerationStats`)
         self._target_embedding_attached = not config.share_target_embedding
         if config.share_target_embedding:  # the target's embedding: neither saved nor expected in checkpoints
             self._keys_to_ignore_on_save = {"embed_tokens.weight"}

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .calibration import MachineCosts, ShapePrediction, measure_costs, predict
+from .drafter import max_candidates
 from .generation import recording_greedy_cycles
 from .loading import add_model_arguments, load_models, load_prompt_set
 from .modeling_eagle3 import Eagle3DraftModel
@@ -65,7 +66,7 @@ def acceptance_profile(
     depths = list(range(1, max_depth + 1))
     rows = []
     for top_k in top_ks:
-        largest = min(max_total, top_k + (max_depth - 1) * top_k * top_k)  # can't keep more than the candidates
+        largest = min(max_total, max_candidates(max_depth, top_k))  # can't keep more than the candidates
         totals = sorted({n for n in TOTAL_TOKENS_GRID if n < largest} | {largest})
         accepted_sums = torch.zeros(len(depths), len(totals), dtype=torch.long)
         cycles = 0
@@ -83,7 +84,7 @@ def acceptance_profile(
         taus = 1 + accepted_sums.double() / max(cycles, 1)
         for depth in depths:
             for index, total in enumerate(totals):
-                if total <= top_k + (depth - 1) * top_k**2:
+                if total <= max_candidates(depth, top_k):
                     rows.append({"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total,
                                  "tau": round(float(taus[depth - 1, index]), 4)})
     return rows

@@ -293,3 +293,20 @@ def test_a_draft_trained_for_another_model_of_the_same_shapes_is_named(llama_tar
     caplog.clear()
     _eagle(target, tiny_draft(target_name_or_path="org/llama-tiny"), PROMPTS[0], max_new_tokens=5)  # a local copy
     assert not any("trained for" in record.message for record in caplog.records)
+
+
+def test_a_tree_size_beyond_what_the_tree_can_hold_is_refused(llama_target, fitted_draft):
+    with pytest.raises(ValueError, match="tree_total_tokens=20 exceeds the 12 candidates"):
+        _eagle(llama_target, fitted_draft, PROMPTS[0], max_new_tokens=5, tree_depth=2, tree_top_k=3,
+               tree_total_tokens=20)
+
+
+@pytest.mark.parametrize("setting", [{"num_assistant_tokens": 5}, {"assistant_confidence_threshold": 0.2}])
+def test_settings_of_transformers_own_assisted_generation_are_refused_not_ignored(llama_target, fitted_draft,
+                                                                                   setting):
+    with pytest.raises(TypeError, match="EAGLE-3 replaces: drop them"):
+        _eagle(llama_target, fitted_draft, PROMPTS[0], max_new_tokens=5, **setting)
+
+
+def test_generation_stats_exist_before_the_first_call():
+    assert tiny_draft().generation_stats is None

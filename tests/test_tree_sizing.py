@@ -65,7 +65,7 @@ def test_costs_are_measured_for_every_size(llama_target, fitted_draft):
     costs = verification_cost(llama_target, [1, 4, 8], prefix_length=16, repetitions=2)
     assert list(costs) == [1, 4, 8] and all(seconds > 0 for seconds in costs.values())
     fitted_draft.attach_target_embedding(llama_target.get_input_embeddings())
-    shapes = [TreeSettings(1, 3, 8), TreeSettings(4, 3, 8), TreeSettings(4, 1, 4)]
+    shapes = [TreeSettings(1, 3, 3), TreeSettings(4, 3, 8), TreeSettings(4, 1, 4)]
     draft_costs = drafting_cost(fitted_draft, shapes, prefix_length=16, repetitions=2)
     assert list(draft_costs) == shapes and all(seconds > 0 for seconds in draft_costs.values())
 
