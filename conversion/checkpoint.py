@@ -60,6 +60,27 @@ class TargetInfo:
 
 
 @dataclass(frozen=True)
+class ReadOptions:
+    """Choices the user makes where a source format's engines read one checkpoint in different ways.
+
+    `yarn_mscale`: how YaRN's `mscale` / `mscale_all_dim` are read. `"transformers"` (the default) keeps them, as
+    transformers and SpecForge's training read them (the attention factor is their ratio of YaRN mscales);
+    `"serving"` drops them, as SGLang and vLLM serve such drafts (attention factor `0.1 ln(factor) + 1`).
+    """
+
+    yarn_mscale: str = "transformers"
+
+    def __post_init__(self):
+        if self.yarn_mscale not in YARN_MSCALE_READINGS:
+            raise ConversionError(
+                f"yarn_mscale must be one of {', '.join(YARN_MSCALE_READINGS)}, got {self.yarn_mscale!r}."
+            )
+
+
+YARN_MSCALE_READINGS = ("transformers", "serving")
+
+
+@dataclass(frozen=True)
 class DraftCheckpoint:
     """An EAGLE-3 draft in our terms. Create it with [`DraftCheckpoint.build`], which validates everything."""
 
@@ -84,6 +105,7 @@ class DraftCheckpoint:
         """
         fields = {"share_target_embedding": "embed_tokens.weight" not in tensors, **fields}
         config = _build_config(fields, target or TargetInfo())
+        _check_embedding_width(config)
         tensors = dict(tensors)
         _check_tensors(config, tensors)
         tensors.update(_canonical_vocabulary(config, tensors))
@@ -93,6 +115,7 @@ class DraftCheckpoint:
         """This draft without its own `embed_tokens`, sharing the target's input embedding at run time instead."""
         config = copy.deepcopy(self.config)
         config.share_target_embedding = True
+        _check_embedding_width(config)
         tensors = {name: tensor for name, tensor in self.tensors.items() if name != "embed_tokens.weight"}
         return DraftCheckpoint(config, tensors)
 
@@ -121,7 +144,7 @@ class CheckpointFormat:
     name: str
     description: str
     detect: Callable[[SourceFiles], bool]
-    read: Callable[[SourceFiles, TargetInfo], DraftCheckpoint]
+    read: Callable[[SourceFiles, TargetInfo, ReadOptions], DraftCheckpoint]
     write: Callable[[DraftCheckpoint, Path], None] | None = None
 
 
@@ -180,6 +203,16 @@ def _build_config(fields: dict[str, Any], target: TargetInfo) -> Eagle3Config:
             "and the target's layer count."
         )
     return config
+
+
+def _check_embedding_width(config: Eagle3Config) -> None:
+    if config.share_target_embedding and config.target_hidden_size != config.hidden_size:
+        raise ConversionError(
+            f"The draft would share the target's token embedding (it has no embed_tokens.weight of its own, or "
+            f"--share-target-embedding was given), but the target's embedding is target_hidden_size="
+            f"{config.target_hidden_size} wide and the draft's hidden_size is {config.hidden_size}: the target's "
+            "embedding cannot feed this draft. Convert a checkpoint that includes the draft's embed_tokens.weight."
+        )
 
 
 def _check_tensors(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:

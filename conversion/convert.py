@@ -10,7 +10,8 @@ from safetensors import SafetensorError
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
 from . import hub, modelopt, official, sglang, speculators
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, TargetInfo
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo
+from .fields import refuse_last_layer_tap
 from .files import load_source
 
 FORMATS: dict[str, CheckpointFormat] = {
@@ -22,12 +23,16 @@ EXPORT_FORMATS = tuple(name for name, checkpoint_format in FORMATS.items() if ch
 
 
 def read_checkpoint(
-    source: str | Path, format_name: str | None = None, target: TargetInfo | None = None
+    source: str | Path,
+    format_name: str | None = None,
+    target: TargetInfo | None = None,
+    options: ReadOptions | None = None,
 ) -> tuple[DraftCheckpoint, str]:
     """Read and validate the draft at `source` (a folder or a Hub repo id); return it and its format's name.
 
     Without `format_name` the format is detected from the files, and a `ConversionError` lists the candidates when
-    they do not settle it.
+    they do not settle it. A foreign draft's config records the source format and every reading chosen where engines
+    differ (`converted_from`).
     """
     files = load_source(_local_folder(source))
     candidates = [name for name, checkpoint_format in FORMATS.items() if checkpoint_format.detect(files)]
@@ -43,7 +48,11 @@ def read_checkpoint(
             choices = "; ".join(f"{name} ({FORMATS[name].description})" for name in candidates or FORMATS)
             raise ConversionError(f"{source} {found}. Pass --from (from_format=) with one of: {choices}.")
         format_name = candidates[0]
-    return _format(format_name).read(files, target or TargetInfo()), format_name
+    checkpoint = _format(format_name).read(files, target or TargetInfo(), options or ReadOptions())
+    if format_name != "hub":
+        refuse_last_layer_tap(checkpoint.config, f"this {format_name} draft converted to hf-eagle3")
+    return checkpoint, format_name
+
 
 
 def write_checkpoint(checkpoint: DraftCheckpoint, destination: str | Path, format_name: str = "hub") -> None:
@@ -100,13 +109,15 @@ def convert(
     to_format: str = "hub",
     target: TargetInfo | None = None,
     share_target_embedding: bool = False,
+    yarn_mscale: str = "transformers",
 ) -> tuple[DraftCheckpoint, str]:
     """Convert the draft at `source` into a new folder `destination`; return the checkpoint and the source format.
 
     `share_target_embedding=True` states that the checkpoint's own `embed_tokens` is the target's input embedding:
-    it is dropped and the draft shares the target's at run time. Nothing is written when anything fails.
+    it is dropped and the draft shares the target's at run time. `yarn_mscale` picks how a YaRN draft's `mscale`
+    keys are read (see `ReadOptions`). Nothing is written when anything fails.
     """
-    checkpoint, source_format = read_checkpoint(source, from_format, target)
+    checkpoint, source_format = read_checkpoint(source, from_format, target, ReadOptions(yarn_mscale=yarn_mscale))
     if share_target_embedding:
         checkpoint = checkpoint.sharing_target_embedding()
     write_checkpoint(checkpoint, destination, to_format)

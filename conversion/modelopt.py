@@ -7,8 +7,8 @@ RoPE settings included) with `eagle_config.eagle_aux_hidden_state_layer_ids` num
 possibly unsorted; the draft concatenates the taps in layer order whatever the listing order.
 """
 
-from .checkpoint import CheckpointFormat, DraftCheckpoint, SourceFiles, TargetInfo, rename_prefix
-from .fields import draft_fields, hf_layer_ids, refuse_unfaithful
+from .checkpoint import CheckpointFormat, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo, rename_prefix
+from .fields import draft_fields, refuse_unfaithful, target_layer_ids, untied_head
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name, which ModelOpt exports reuse
 
@@ -30,11 +30,12 @@ def detect(source: SourceFiles) -> bool:
     )
 
 
-def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> DraftCheckpoint:
     eagle_config = source.config.get("eagle_config") or {}
     refuse_unfaithful("ModelOpt", eagle_config, UNFAITHFUL_SETTINGS)
-    fields = draft_fields(source.config, source.config)
-    fields["target_layer_ids"] = hf_layer_ids(eagle_config.get("eagle_aux_hidden_state_layer_ids"))
+    fields = draft_fields("modelopt", source.config, source.config, options)
+    fields["target_layer_ids"] = target_layer_ids(source.config)
+    untied_head(source.config, source.tensors, fields["converted_from"]["notes"])
     return DraftCheckpoint.build(fields, rename_prefix(source.tensors, "layers.0.", "midlayer."), target)
 
 

@@ -5,13 +5,31 @@ when `t2d` is present) and an optional `embed_tokens`. The config nests the deco
 `transformer_layer_config` (speculators writes only its non-default fields), keeps `draft_vocab_size`,
 `target_hidden_size`, `norm_before_residual` and `eagle_aux_hidden_state_layer_ids` (our `hidden_states` indices)
 at the top level, and names the target under `speculators_config.verifier`. The first proposal method's
-`speculative_tokens` is vLLM's default number of drafted tokens; it maps to our `tree_depth`.
+`speculative_tokens` is vLLM's default number of drafted tokens; it maps to our `tree_depth`. The rest of the draft
+tree settings and the target's layer count are kept under `hf_eagle3`, which vLLM ignores.
 """
 
 from pathlib import Path
 
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, SourceFiles, TargetInfo, rename_prefix
-from .fields import draft_fields, dtype_name, llama_fields, refuse_unfaithful
+from .checkpoint import (
+    CheckpointFormat,
+    ConversionError,
+    DraftCheckpoint,
+    ReadOptions,
+    SourceFiles,
+    TargetInfo,
+    rename_prefix,
+)
+from .fields import (
+    carried_fields,
+    draft_fields,
+    dtype_name,
+    llama_fields,
+    refuse_last_layer_tap,
+    refuse_unfaithful,
+    restored_fields,
+    untied_head,
+)
 from .files import write_checkpoint_files
 
 LAYER_PREFIX = "layers.0."
@@ -27,7 +45,7 @@ def detect(source: SourceFiles) -> bool:
     return source.config.get("speculators_model_type") == "eagle3"
 
 
-def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> DraftCheckpoint:
     config = source.config
     layer_config = config.get("transformer_layer_config") or {}
     if layer_config.get("model_type", "llama") != "llama":
@@ -36,23 +54,28 @@ def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
             "layer only (e.g. Qwen3 layers add per-head q/k norms), so the draft cannot be converted faithfully."
         )
     if "norm_before_residual" not in config:
+        # speculators' Eagle3SpeculatorConfig always writes it (default false); vLLM's speculators config reader
+        # (`update_eagle3`) reads a missing value as true: a config without it is hand-made and ambiguous.
         raise ConversionError(
             "config.json has no norm_before_residual: speculators reads a missing value as false and vLLM as true, "
             "so what the draft computes is ambiguous. Add the key with the value the draft was trained with."
         )
     refuse_unfaithful("speculators", config, UNFAITHFUL_SETTINGS)
     speculators_config = config.get("speculators_config") or {}
-    fields = draft_fields(layer_config, config)
+    fields = draft_fields("speculators", layer_config, config, options)
+    untied_head({**layer_config, **config}, source.tensors, fields["converted_from"]["notes"])
     fields["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
     fields["target_name_or_path"] = (speculators_config.get("verifier") or {}).get("name_or_path") or None
     speculative_tokens = _default_proposal_method(speculators_config).get("speculative_tokens")
     if speculative_tokens is not None:
         fields["tree_depth"] = speculative_tokens
+    fields.update(restored_fields(config))
     return DraftCheckpoint.build(fields, rename_prefix(source.tensors, LAYER_PREFIX, "midlayer."), target)
 
 
 def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
     config = checkpoint.config
+    refuse_last_layer_tap(config, "the draft served by vLLM")
     speculators_config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -76,6 +99,7 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
             "verifier": {"name_or_path": config.target_name_or_path, "architectures": []},
         },
         "torch_dtype": dtype_name(checkpoint.dtype),
+        **carried_fields(config),
     }
     write_checkpoint_files(folder, speculators_config, rename_prefix(checkpoint.tensors, "midlayer.", LAYER_PREFIX))
 

@@ -49,6 +49,12 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> 
             f"draft target_layer_ids={draft_config.target_layer_ids} are outside the target's hidden_states "
             f"indices 0..{num_layers}"
         )
+    elif draft_config.converted_from is not None and num_layers in draft_config.target_layer_ids:
+        problems.append(
+            f"the draft, converted from {draft_config.converted_from['format']}, reads the output of the target's "
+            f"last layer, which its engines take before the target's final norm, but transformers' "
+            f"hidden_states[{num_layers}] is taken after it"
+        )
     embedding = target.get_input_embeddings()
     expected = (draft_config.vocab_size, draft_config.hidden_size)
     if draft_config.share_target_embedding and tuple(embedding.weight.shape) != expected:

@@ -84,6 +84,12 @@ class Eagle3Config(PreTrainedConfig):
             `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}` row per shape, estimated from greedy decoding of
             calibration prompts (`hf-eagle3 tune-tree --save-to`). It does not depend on the hardware; `tree_shape=
             "auto"` combines it with the machine's measured costs.
+        converted_from (`dict`, *optional*):
+            Set by `hf-eagle3 convert` (and by `from_pretrained` on a foreign checkpoint) when the draft was converted
+            from another project's format: `{"format": ..., "notes": [...]}`, the notes stating every reading chosen
+            where that format's engines read the checkpoint differently (e.g. YaRN's `mscale`). A converted draft
+            never reads `hidden_states[N]` of an `N`-layer target: the engines it comes from feed the last layer's
+            output before the final norm, transformers after it.
 
     ```python
     >>> from hf_eagle3 import Eagle3Config, Eagle3DraftModel
@@ -123,6 +129,7 @@ class Eagle3Config(PreTrainedConfig):
     tree_total_tokens: int = 60
     tree_shape: str = "fixed"
     acceptance_profile: list[dict] | None = None
+    converted_from: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -199,6 +206,11 @@ class Eagle3Config(PreTrainedConfig):
                     f"{row}"
                 )
                 break
+        if self.converted_from is not None and (
+            not isinstance(self.converted_from.get("format"), str)
+            or not isinstance(self.converted_from.get("notes", []), list)
+        ):
+            problems.append(f"converted_from must be {{'format': str, 'notes': [str]}}, got {self.converted_from}")
         if problems:
             raise ValueError("Invalid Eagle3Config: " + "; ".join(problems) + ".")
 

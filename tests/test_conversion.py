@@ -17,8 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from conversion import ConversionError, TargetInfo, convert
-from hf_eagle3 import Eagle3DraftModel, cli
+from hf_eagle3 import Eagle3DraftModel, check_compatibility, cli
 
 from conftest import tiny_draft
 
@@ -178,9 +180,8 @@ def official_fixture(folder: Path) -> Fixture:
     )  # fmt: skip
 
 
-def sglang_fixture(folder: Path) -> Fixture:
+def sglang_fixture(folder: Path, target_hidden: int = 48) -> Fixture:
     """SpecForge `save_pretrained`: bf16 safetensors with its own embedding, a wider target, output-of-layer ids."""
-    target_hidden = 48
     draft_to_target = sorted_vocabulary()
     generator = torch.Generator().manual_seed(2)
     tensors = {
@@ -274,11 +275,61 @@ def modelopt_fixture(folder: Path) -> Fixture:
     )  # fmt: skip
 
 
+def angelslim_vl_fixture(folder: Path) -> Fixture:
+    """AngelSlim, mirroring Tencent/AngelSlim `train/configs/qwen3-vl-4b-eagle3-mrope.json`: vLLM's architecture
+    name, no layer ids, `tie_word_embeddings: true` with a draft-vocabulary `lm_head`, Qwen3-VL's interleaved mrope."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {**eagle3_weights("midlayer.", HIDDEN, torch.bfloat16), **mapping_buffers(draft_to_target)}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(
+        folder / "config.json",
+        llama_config(
+            architectures=["Eagle3LlamaForCausalLM"],
+            model_type="llama",
+            attention_bias=False,
+            attention_dropout=0.0,
+            bos_token_id=151643,
+            dtype="bfloat16",
+            eos_token_id=151645,
+            head_dim=HEAD_DIM,
+            initializer_range=0.02,
+            max_position_embeddings=262144,
+            num_hidden_layers=1,
+            rms_norm_eps=1e-6,
+            rope_scaling={"type": "default", "rope_type": "default", "mrope_interleaved": True,
+                          "mrope_section": [2, 1, 1]},
+            rope_theta=5000000,
+            use_cache=True,
+            tie_word_embeddings=True,
+            transformers_version="4.57.1",
+            draft_vocab_size=DRAFT_VOCAB,
+            modal_type="VLM",
+        ),
+    )
+    return Fixture(
+        tensors, "midlayer.", draft_to_target, 1e-6, rope_frequencies(5e6), HIDDEN, DEFAULT_TAPS,
+        target=TargetInfo(num_hidden_layers=TARGET_LAYERS),
+    )  # fmt: skip
+
+
+def specforge_vl_fixture(folder: Path) -> Fixture:
+    """SpecForge's Qwen2.5-VL draft (`configs/qwen2.5-vl-32b-eagle3.json`): legacy `type: mrope` RoPE scaling, which
+    transformers' LlamaConfig does not know."""
+    fixture = sglang_fixture(folder, target_hidden=HIDDEN)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+    write_json(folder / "config.json", config)
+    return Fixture(**{**fixture.__dict__, "inv_freq": rope_frequencies(1e6)})
+
+
+# family -> (format it is detected as, fixture)
 FIXTURES = {
-    "official": official_fixture,
-    "sglang": sglang_fixture,
-    "speculators": speculators_fixture,
-    "modelopt": modelopt_fixture,
+    "official": ("official", official_fixture),
+    "sglang": ("sglang", sglang_fixture),
+    "speculators": ("speculators", speculators_fixture),
+    "modelopt": ("modelopt", modelopt_fixture),
+    "angelslim-vl": ("sglang", angelslim_vl_fixture),
+    "specforge-vl": ("sglang", specforge_vl_fixture),
 }
 
 
@@ -335,11 +386,12 @@ def over_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor) 
 # --- imports -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("format_name", list(FIXTURES))
-def test_foreign_checkpoint_converts_exactly(tmp_path, format_name):
-    source, destination = tmp_path / format_name, tmp_path / "hub"
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_foreign_checkpoint_converts_exactly(tmp_path, family):
+    format_name, write_fixture = FIXTURES[family]
+    source, destination = tmp_path / family, tmp_path / "hub"
     source.mkdir()
-    fixture = FIXTURES[format_name](source)
+    fixture = write_fixture(source)
 
     _, detected = convert(source, destination, target=fixture.target)
 
@@ -365,7 +417,7 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, format_name):
         draft.attach_target_embedding(nn.Embedding.from_pretrained(embedding))
     input_ids = torch.randint(VOCAB, (2, 7), generator=generator)
     features = torch.randn(2, 7, 3 * fixture.target_hidden, generator=generator)
-    positions = torch.arange(1000, 1007)  # far out, where the RoPE base and scaling matter
+    positions = torch.arange(3000, 3007)  # far out, where the RoPE base and scaling matter
     with torch.no_grad():
         logits = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False).logits
     expected = reference_logits(fixture, embedding, input_ids, features, positions)
@@ -374,7 +426,7 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, format_name):
         over_target_vocabulary(logits, draft.draft_to_target),
         over_target_vocabulary(expected, fixture.draft_to_target),
         rtol=0,
-        atol=1e-5,
+        atol=5e-5,  # float32 RoPE angles at positions past 3,000; a wrong base or scaling moves logits by O(1)
         equal_nan=True,
     )
 
@@ -397,6 +449,113 @@ def test_speculators_records_target_and_speculative_tokens(tmp_path):
     assert checkpoint.config.rms_norm_eps == 1e-6  # LlamaConfig's default, as speculators reads it
 
 
+def test_readings_where_engines_differ_are_recorded(tmp_path):
+    angelslim_vl_fixture(tmp_path)
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    record = json.loads((tmp_path / "hub" / "config.json").read_text())["converted_from"]
+    assert record["format"] == "sglang" and checkpoint.config.converted_from == record
+    assert any("mrope" in note for note in record["notes"])
+    assert any("tie_word_embeddings=true ignored" in note for note in record["notes"])
+
+
+def test_top_level_layer_ids_are_read_as_vllm_reads_them(tmp_path):
+    sglang_fixture(tmp_path)
+    _rewrite(tmp_path, lambda config: (config.pop("eagle_config"), config.update(eagle_aux_hidden_state_layer_ids=[9, 2, 6])))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub")
+    assert checkpoint.config.target_layer_ids == [2, 6, 9]  # hidden_states indices, unlike eagle_config's
+
+
+def test_layer_ids_that_disagree_between_engines_are_refused(tmp_path):
+    sglang_fixture(tmp_path)  # eagle_config ids [1, 5, 8] = hidden_states [2, 6, 9]
+    _rewrite(tmp_path, lambda config: config.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
+    with pytest.raises(ConversionError, match="eagle_aux_hidden_state_layer_ids twice.*remove the one"):
+        convert(tmp_path, tmp_path / "hub")
+    _rewrite(tmp_path, lambda config: config.update(eagle_aux_hidden_state_layer_ids=[2, 6, 9]))
+    assert convert(tmp_path, tmp_path / "hub")[0].config.target_layer_ids == [2, 6, 9]
+
+
+def test_a_tap_on_the_targets_last_layer_is_never_fed_the_post_norm_state(tmp_path):
+    """SGLang / vLLM capture the last layer's output before the final norm; hidden_states[N] is after it."""
+    sglang_fixture(tmp_path)
+    _rewrite(tmp_path, lambda config: config["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 5, 11]))
+    with pytest.raises(ConversionError, match="output of the target's last layer.*final norm"):
+        convert(tmp_path, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    assert not (tmp_path / "out").exists()
+
+    # Converted without the target's layer count, the draft is refused when it meets a target whose last layer it taps.
+    checkpoint, _ = convert(tmp_path, tmp_path / "out")
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=12,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="converted from sglang, reads the output of the target's last layer"):
+        check_compatibility(checkpoint.config, target)
+
+
+@pytest.mark.parametrize("reading, attention_factor", [
+    ("transformers", (0.1 * 1.0 * math.log(4.0) + 1) / (0.1 * 0.5 * math.log(4.0) + 1)),
+    ("serving", 0.1 * math.log(4.0) + 1),
+])
+def test_yarn_mscale_reading_is_chosen_and_stated(tmp_path, reading, attention_factor):
+    sglang_fixture(tmp_path)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 1.0,
+            "mscale_all_dim": 0.5}
+    _rewrite(tmp_path, lambda config: config.update(rope_scaling=yarn))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", yarn_mscale=reading)
+    assert any(f"yarn_mscale='{reading}'" in note for note in checkpoint.config.converted_from["notes"])
+    assert ("mscale" in checkpoint.config.rope_parameters) == (reading == "transformers")
+    draft = Eagle3DraftModel.from_pretrained(tmp_path / "hub")
+    assert draft.rotary_emb.attention_scaling == pytest.approx(attention_factor)
+
+
+def test_identity_vocabulary_with_an_all_zero_t2d_loads_as_the_official_code_does(tmp_path):
+    """Vicuna-style official drafts predict the whole vocabulary and store d2t = 0 and an all-false t2d."""
+    fixture = official_fixture(tmp_path)
+    tensors = dict(fixture.tensors)
+    tensors.update(
+        {"lm_head.weight": torch.randn(VOCAB, HIDDEN).half(), "d2t": torch.zeros(VOCAB, dtype=torch.long),
+         "t2d": torch.zeros(VOCAB, dtype=torch.bool)}
+    )
+    torch.save(tensors, tmp_path / "pytorch_model.bin")
+    _rewrite(tmp_path, lambda config: config.update(draft_vocab_size=VOCAB))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", target=fixture.target)
+    assert torch.equal(checkpoint.tensors["d2t"], torch.zeros(VOCAB, dtype=torch.long))
+    assert bool(checkpoint.tensors["t2d"].all())
+    assert any("d2t / t2d dropped" in note for note in checkpoint.config.converted_from["notes"])
+
+
+def test_a_draft_that_cannot_share_the_narrower_target_embedding_is_refused(tmp_path):
+    fixture = official_fixture(tmp_path)
+    torch.save({**fixture.tensors, "fc.weight": torch.zeros(HIDDEN, 3 * 48).half()}, tmp_path / "pytorch_model.bin")
+    _rewrite(tmp_path, lambda config: config.update(target_hidden_size=48))
+    with pytest.raises(ConversionError, match="target_hidden_size=48 wide and the draft's hidden_size is 32"):
+        convert(tmp_path, tmp_path / "out", target=fixture.target)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("write_fixture", [official_fixture, sglang_fixture, modelopt_fixture, speculators_fixture])
+def test_tie_word_embeddings_is_read_the_same_way_by_every_reader(tmp_path, write_fixture):
+    write_fixture(tmp_path)
+    if write_fixture is speculators_fixture:
+        _rewrite(tmp_path, lambda config: config["transformer_layer_config"].update(tie_word_embeddings=True))
+    else:
+        _rewrite(tmp_path, lambda config: config.update(tie_word_embeddings=True))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    assert any("tie_word_embeddings=true ignored" in note for note in checkpoint.config.converted_from["notes"])
+
+    weights = tmp_path / ("pytorch_model.bin" if write_fixture is official_fixture else "model.safetensors")
+    tensors = torch.load(weights) if weights.suffix == ".bin" else load_file(weights)
+    tensors.pop("lm_head.weight")
+    torch.save(tensors, weights) if weights.suffix == ".bin" else save_file(tensors, weights)
+    with pytest.raises(ConversionError, match="tie_word_embeddings=true and the checkpoint has no lm_head.weight"):
+        convert(tmp_path, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+
+
+def test_specforge_norm_output_false_is_plain_eagle3(tmp_path):
+    """SpecForge's `norm_output: false` (the default) feeds back the pre-norm state, as Eagle3DraftModel does."""
+    sglang_fixture(tmp_path)
+    _rewrite(tmp_path, lambda config: config.update(norm_output=False, fc_norm=False))
+    convert(tmp_path, tmp_path / "hub")
+
+
 # --- exports ----------------------------------------------------------------------------------------------------
 
 
@@ -407,6 +566,8 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, dtype):
         draft_vocab_size=40,
         target_name_or_path="org/target",
         rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING, "original_max_position_embeddings": 256},
+        tree_depth=2, tree_top_k=8, tree_total_tokens=12, tree_shape="auto",
+        acceptance_profile=[{"tree_depth": 2, "tree_top_k": 8, "tree_total_tokens": 12, "tau": 1.9}],
     ).to(dtype)
     draft.save_pretrained(tmp_path / "hub")
 
@@ -417,12 +578,7 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, dtype):
         tmp_path / "hub" / "model.safetensors"
     ).read_bytes()
     original, back = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("hub", "back"))
-    not_carried = {"target_num_hidden_layers", "tree_top_k", "tree_total_tokens"} | (
-        {"target_name_or_path", "tree_depth"} if export_format == "sglang" else set()
-    )
-    assert {k: v for k, v in back.items() if k not in not_carried} == {
-        k: v for k, v in original.items() if k not in not_carried
-    }
+    assert back == original  # the target's id and layer count and the tree settings included
 
 
 def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
@@ -438,7 +594,7 @@ def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
 def test_sglang_export_refuses_an_embedding_sglang_would_replace(tmp_path):
     source = tmp_path / "specforge"
     source.mkdir()
-    sglang_fixture(source)
+    sglang_fixture(source, target_hidden=HIDDEN)
     with pytest.raises(ConversionError, match="--share-target-embedding"):
         convert(source, tmp_path / "out", to_format="sglang")
     assert not (tmp_path / "out").exists()
