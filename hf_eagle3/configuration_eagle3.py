@@ -65,6 +65,14 @@ class Eagle3Config(PreTrainedConfig):
             `model_type` of the target the draft was trained for (e.g. `"llama"`), recorded for checks and cards.
         target_name_or_path (`str`, *optional*):
             Hub id or path of the target the draft was trained for, recorded for checks and cards.
+        fc_norm (`bool`, *optional*, defaults to `False`):
+            EAGLE 3.1 (arXiv:2605.09992): an RMSNorm (`fc_norm.{0,1,2}`, width `k_t`) on each captured target hidden
+            state before `fc`, so that no tapped layer dominates the fused feature by its magnitude. SpecForge
+            `fc_norm`, speculators `fc_norm.*` weights.
+        norm_before_residual (`bool`, *optional*, defaults to `False`):
+            EAGLE 3.1: the decoder layer's residual stream starts from the *normalised* feature
+            `hidden_norm(x)` instead of `x`, so the feature fed back at the next draft step keeps a bounded magnitude
+            with depth. vLLM / speculators `norm_before_residual`.
         share_target_embedding (`bool`, *optional*, defaults to `True`):
             When `True` the draft's token embedding is the target's input embedding, attached at run time and never
             written to the draft's checkpoint. When `False` the checkpoint carries its own `embed_tokens.weight`.
@@ -123,6 +131,8 @@ class Eagle3Config(PreTrainedConfig):
     target_num_hidden_layers: int | None = None
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    fc_norm: bool = False
+    norm_before_residual: bool = False
     share_target_embedding: bool = True
     tree_depth: int = 6
     tree_top_k: int = 8
