@@ -73,6 +73,20 @@ class Eagle3Config(PreTrainedConfig):
             EAGLE 3.1: the decoder layer's residual stream starts from the *normalised* feature
             `hidden_norm(x)` instead of `x`, so the feature fed back at the next draft step keeps a bounded magnitude
             with depth. vLLM / speculators `norm_before_residual`.
+        norm_output (`bool`, *optional*, defaults to `False`):
+            EAGLE 3.1 as SpecForge and speculators train it: the feature fed back at the next draft step is the final
+            norm's output `norm(a)` (the one `lm_head` reads) instead of `a`. SpecForge / SGLang and speculators
+            `norm_output`.
+        norm_before_fc (`bool`, *optional*, defaults to `False`):
+            An RMSNorm (`input_norm`, width `3 * k_t`) over the concatenated target features before `fc` (speculators
+            `norm_before_fc`, e.g. its gpt-oss drafts). Exclusive with `fc_norm`.
+        num_hidden_layers (`int`, *optional*, defaults to 1):
+            Number of decoder layers. The first (`midlayer`) reads the embedding and the feature; the others
+            (`extra_layers.*`) are plain Llama decoder layers over the feature, as vLLM, speculators and ModelOpt run
+            them.
+        qk_norm (`bool`, *optional*, defaults to `False`):
+            Qwen3's per-head RMSNorm (`self_attn.q_norm` / `k_norm`, width `head_dim`) on queries and keys before
+            RoPE, in every decoder layer (speculators drafts whose layer config is `qwen3`).
         share_target_embedding (`bool`, *optional*, defaults to `True`):
             When `True` the draft's token embedding is the target's input embedding, attached at run time and never
             written to the draft's checkpoint. When `False` the checkpoint carries its own `embed_tokens.weight`.
@@ -133,6 +147,10 @@ class Eagle3Config(PreTrainedConfig):
     target_name_or_path: str | None = None
     fc_norm: bool = False
     norm_before_residual: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
+    num_hidden_layers: int = 1
+    qk_norm: bool = False
     share_target_embedding: bool = True
     tree_depth: int = 6
     tree_top_k: int = 8
@@ -163,7 +181,7 @@ class Eagle3Config(PreTrainedConfig):
         """Part of `@strict` validation: the shapes of the draft must be buildable and unambiguous."""
         problems = []
         for name in ("vocab_size", "hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "num_hidden_layers"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if problems:  # the checks below divide by these sizes
@@ -216,6 +234,8 @@ class Eagle3Config(PreTrainedConfig):
                     f"{row}"
                 )
                 break
+        if self.fc_norm and self.norm_before_fc:
+            problems.append("fc_norm and norm_before_fc are exclusive (one norms each target state, one all three)")
         if self.converted_from is not None and (
             not isinstance(self.converted_from.get("format"), str)
             or not isinstance(self.converted_from.get("notes", []), list)

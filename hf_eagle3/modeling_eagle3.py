@@ -12,7 +12,12 @@ positions, its own previous output `a_i`) together with the embedding of token `
 
 EAGLE 3.1 options (arXiv:2605.09992): `fc_norm` normalises each of `l`, `m`, `h` before `fc`
 (`g = fc([fc_norm_0(l) ; fc_norm_1(m) ; fc_norm_2(h)])`); `norm_before_residual` starts the residual stream from
-`hidden_norm(x)` instead of `x` (`x = hidden_norm(x)` before the attention block).
+`hidden_norm(x)` instead of `x` (`x = hidden_norm(x)` before the attention block); `norm_output` feeds back the
+normalised feature (`a <- norm(a)`, logits `lm_head(a)`).
+
+Variants of public drafts: `norm_before_fc` normalises the whole `[l ; m ; h]` (`input_norm`) before `fc`;
+`num_hidden_layers > 1` runs plain Llama decoder layers (`extra_layers.*`, reading `x` alone) after `midlayer`, as
+vLLM does; `qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE.
 
 Weight names match the official and SpecForge checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`).
 This file only imports torch, transformers and safetensors (a transformers dependency), so it also serves as the
@@ -42,30 +47,37 @@ from .configuration_eagle3 import Eagle3Config
 
 
 class Eagle3Attention(nn.Module):
-    """Grouped-query self-attention whose q / k / v projections read the 2k-wide `[embedding ; feature]` input."""
+    """Grouped-query self-attention. In the first decoder layer (`layer_idx` 0) the q / k / v projections read the
+    2k-wide `[embedding ; feature]` input, in later layers the k-wide feature."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0):
         super().__init__()
         self.config = config
-        self.layer_idx = 0
+        self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        in_features, bias = 2 * config.hidden_size, config.attention_bias
+        in_features, bias = (2 if layer_idx == 0 else 1) * config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(in_features, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        if config.qk_norm:  # Qwen3: one RMSNorm over each head's query / key
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def project(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[B, T, 2k]` input -> rotated queries `[B, H, T, D]`, rotated keys and values `[B, KV, T, D]`."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
@@ -98,13 +110,17 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """A Llama decoder layer with two input streams: the token embedding and the feature (residual) stream."""
+    """A Llama decoder layer. The first (`layer_idx` 0, `midlayer`) has two input streams, the token embedding and
+    the feature (residual) stream; later ones (`num_hidden_layers > 1`, as vLLM runs them) read the feature alone."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # normalises the embedding
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # normalises the feature
-        self.self_attn = Eagle3Attention(config)
+        self.layer_idx = layer_idx
+        # Normalises the embedding in the first layer, the feature in later ones (the plain Llama layer's norm).
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if layer_idx == 0:
+            self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # normalises the feature
+        self.self_attn = Eagle3Attention(config, layer_idx)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
         self.norm_before_residual = config.norm_before_residual
@@ -112,8 +128,11 @@ class Eagle3DecoderLayer(nn.Module):
     def attention_input(
         self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`([input_layernorm(embedding) ; hidden_norm(feature)]` `[B, T, 2k]`, what q / k / v read, and the residual
-        `[B, T, k]`: the feature itself, or its normalised form with `norm_before_residual`)."""
+        """What q / k / v read and the residual `[B, T, k]`. First layer: `[input_layernorm(embedding) ;
+        hidden_norm(feature)]` `[B, T, 2k]`, and the feature itself or, with `norm_before_residual`, its normalised
+        form. Later layers: `input_layernorm(feature)` `[B, T, k]` and the feature (the embedding is not read)."""
+        if self.layer_idx > 0:
+            return self.input_layernorm(hidden_states), hidden_states
         normed = self.hidden_norm(hidden_states)
         residual = normed if self.norm_before_residual else hidden_states
         return torch.cat([self.input_layernorm(inputs_embeds), normed], dim=-1), residual
@@ -142,7 +161,8 @@ class Eagle3DraftOutput(ModelOutput):
         logits (`torch.FloatTensor` of shape `(batch_size, sequence_length, draft_vocab_size)`):
             Scores over the draft vocabulary; `draft_to_target` maps their indices to target token ids.
         hidden_states (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
-            The draft's output features `a` (before the final norm), fed back as input at the next draft step.
+            The draft's output features `a` (before the final norm, unless `config.norm_output`), fed back as input
+            at the next draft step.
         cache (`Cache`):
             The draft's key / value cache, including the positions of this call.
     """
@@ -184,8 +204,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self.fc_norm = nn.ModuleList(
                 LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(3)
             )
+        if config.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(3 * config.target_hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
+        self.extra_layers = nn.ModuleList(Eagle3DecoderLayer(config, i) for i in range(1, config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
@@ -305,11 +328,23 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if self.config.fc_norm:
             captures = target_hidden_states.chunk(3, dim=-1)
             target_hidden_states = torch.cat([norm(capture) for norm, capture in zip(self.fc_norm, captures)], dim=-1)
+        if self.config.norm_before_fc:
+            target_hidden_states = self.input_norm(target_hidden_states)
         return self.fc(target_hidden_states)
+
+    @property
+    def decoder_layers(self) -> list[Eagle3DecoderLayer]:
+        """`midlayer`, then the `extra_layers`: the decoder layers in the order they run."""
+        return [self.midlayer, *self.extra_layers]
+
+    def output_feature(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The last decoder layer's output `[B, T, k]` -> the feature `a` fed back at the next draft step (the output
+        itself, or its final norm with `norm_output`)."""
+        return self.norm(hidden_states) if self.config.norm_output else hidden_states
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft features `a` `[B, T, k]` -> logits over the draft vocabulary `[B, T, draft_vocab_size]`."""
-        return self.lm_head(self.norm(hidden_states))
+        return self.lm_head(hidden_states if self.config.norm_output else self.norm(hidden_states))
 
     def forward(
         self,
@@ -362,7 +397,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         attention_mask = _additive_mask(attention_mask, query_length, past_length, hidden_states)
 
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        hidden_states = self.midlayer(inputs_embeds, hidden_states, position_embeddings, attention_mask, cache)
+        for layer in self.decoder_layers:
+            hidden_states = layer(inputs_embeds, hidden_states, position_embeddings, attention_mask, cache)
+        hidden_states = self.output_feature(hidden_states)
         logits = self.compute_logits(hidden_states[:, -logits_to_keep:])
         return Eagle3DraftOutput(logits=logits, hidden_states=hidden_states, cache=cache)
 

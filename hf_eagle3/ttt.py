@@ -115,22 +115,26 @@ class TrainingTimeTest(nn.Module):
         states at `target_layer_ids` concatenated. Row `i` of step `s` is the draft's prediction of `t_{i+s+2}`.
         """
         draft = self.draft
-        attention = draft.midlayer.self_attn
+        layers = draft.decoder_layers
         batch_size, length = input_ids.shape
         tokens = shift_left(input_ids)  # t_{i+1}
         features = draft.fuse(target_features)  # g, [B, T, k]
         positions = torch.arange(length, device=input_ids.device)[None].expand(batch_size, -1)
         causal_mask = torch.full((length, length), torch.finfo(features.dtype).min, device=features.device).triu(1)
-        keys, values = [], []
+        keys, values = [[] for _ in layers], [[] for _ in layers]  # per decoder layer, one entry per step
         for step in range(self.steps):
             embeds = draft.embed_tokens(tokens).to(features.dtype)
-            attn_input, residual = draft.midlayer.attention_input(embeds, features)  # [B, T, 2k], [B, T, k]
             position_embeddings = draft.rotary_emb(features, positions + step)
-            query, key, value = attention.project(attn_input, position_embeddings)
-            keys.append(key)
-            values.append(value)
-            attn_output = ttt_attention(query, keys, values, attention.scaling, causal_mask.to(query.dtype))
-            features = draft.midlayer.finish(residual, attention.o_proj(attn_output))  # a^s, [B, T, k]
+            for layer, layer_keys, layer_values in zip(layers, keys, values):
+                attention = layer.self_attn
+                attn_input, residual = layer.attention_input(embeds, features)  # [B, T, 2k | k], [B, T, k]
+                query, key, value = attention.project(attn_input, position_embeddings)
+                layer_keys.append(key)
+                layer_values.append(value)
+                attn_output = ttt_attention(query, layer_keys, layer_values, attention.scaling,
+                                            causal_mask.to(query.dtype))
+                features = layer.finish(residual, attention.o_proj(attn_output))  # [B, T, k]
+            features = draft.output_feature(features)  # a^s
             yield features
             # Next step: same rows, one position further on; the feature a^s stays in its row and feeds back.
             tokens = shift_left(tokens)
