@@ -1,4 +1,5 @@
-"""Config translations shared by the foreign formats, which all describe the draft's decoder layer as a Llama config.
+"""Config translations shared by the foreign formats, which all describe the draft's decoder layer as a transformers
+config (Llama's, or Qwen3's / Llama 4's for drafts of those targets).
 
 Layer ids: our `target_layer_ids` are transformers `hidden_states` indices (index i enters decoder layer i). SpecForge,
 SGLang and ModelOpt number the *output* of layer i, which is index i + 1; vLLM and speculators use our convention.
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import LlamaConfig
+from transformers import Llama4TextConfig, LlamaConfig, PreTrainedConfig, Qwen3Config
 
 from hf_eagle3 import Eagle3Config
 
@@ -27,32 +28,66 @@ DECODER_LAYER_FIELDS = (
     "attention_bias",
     "mlp_bias",
 )
-_LLAMA_INPUT_FIELDS = (*DECODER_LAYER_FIELDS, "vocab_size", "rope_theta", "rope_scaling", "rope_parameters")
+_LAYER_INPUT_FIELDS = (
+    *DECODER_LAYER_FIELDS,
+    "vocab_size",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "intermediate_size_mlp",
+    "num_hidden_layers",
+    "use_sliding_window",
+    "sliding_window",
+    "layer_types",
+)
+# The decoder-layer config classes of public drafts, by `model_type`: their defaults fill in what a config leaves out
+# (speculators writes only non-default fields; Qwen3's default head_dim is 128, not hidden_size // heads).
+LAYER_CONFIG_CLASSES: dict[str, type[PreTrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,  # adds per-head q / k norms
+    "llama4_text": Llama4TextConfig,  # the draft layer is a dense Llama layer of width intermediate_size_mlp
+}
 
 
 def draft_fields(
     format_name: str, layer_config: dict[str, Any], draft_config: dict[str, Any], options: ReadOptions
 ) -> dict[str, Any]:
-    """`Eagle3Config` fields of a `format_name` draft whose decoder layer is described by the Llama config `layer_config`.
+    """`Eagle3Config` fields of a `format_name` draft whose decoder layer is described by the config `layer_config`.
 
-    Missing Llama fields get transformers' `LlamaConfig` defaults (e.g. `rms_norm_eps=1e-6`, RoPE base 10000), as
-    in every project that writes these configs; the EAGLE-3 fields are top-level keys of `draft_config`. Every
-    reading that another engine could make differently is stated in `converted_from["notes"]`.
+    Missing fields get the defaults of the layer's transformers config class (e.g. `LlamaConfig`'s
+    `rms_norm_eps=1e-6`, RoPE base 10000), as in every project that writes these configs; the EAGLE-3 fields are
+    top-level keys of `draft_config`. Every reading that another engine could make differently is stated in
+    `converted_from["notes"]`.
     """
     notes = []
-    llama_input = {name: layer_config[name] for name in _LLAMA_INPUT_FIELDS if name in layer_config}
+    model_type = layer_config.get("model_type", "llama")
+    if model_type not in LAYER_CONFIG_CLASSES:
+        raise ConversionError(
+            f"The draft's decoder layer is a {model_type!r} layer; Eagle3DraftModel implements the layers of "
+            f"{', '.join(LAYER_CONFIG_CLASSES)} drafts, so this one cannot be converted faithfully."
+        )
+    layer_input = {name: layer_config[name] for name in _LAYER_INPUT_FIELDS if name in layer_config}
     for key in ("rope_scaling", "rope_parameters"):
-        if isinstance(llama_input.get(key), dict):
-            llama_input[key] = _rope_for_text(key, llama_input[key], options, notes)
+        if isinstance(layer_input.get(key), dict):
+            layer_input[key] = _rope_for_text(key, layer_input[key], options, notes)
     try:
-        llama = LlamaConfig(**llama_input)
+        layer = LAYER_CONFIG_CLASSES[model_type](**layer_input)
     except (StrictDataclassError, ValueError, TypeError, KeyError) as error:
-        raise ConversionError(f"The checkpoint's Llama config is invalid: {error!r}") from error
+        raise ConversionError(f"The checkpoint's {model_type} layer config is invalid: {error!r}") from error
+    sliding = "sliding_attention" in (layer_input.get("layer_types") or []) or layer_input.get("use_sliding_window")
+    if sliding:
+        raise ConversionError(
+            f"The draft's decoder layer uses sliding-window attention (layer_types={layer_input.get('layer_types')}, "
+            f"sliding_window={layer_input.get('sliding_window')}), which Eagle3DraftModel does not implement: its "
+            "attention would see the whole sequence, so it is refused."
+        )
     return {
-        **{name: getattr(llama, name) for name in DECODER_LAYER_FIELDS},
-        "vocab_size": llama.vocab_size,
+        **{name: getattr(layer, name, False) for name in DECODER_LAYER_FIELDS},
+        "intermediate_size": layer.intermediate_size_mlp if model_type == "llama4_text" else layer.intermediate_size,
+        "qk_norm": model_type == "qwen3",
+        "vocab_size": layer.vocab_size,
         # `type` is the legacy alias of `rope_type` that LlamaConfig keeps next to it.
-        "rope_parameters": {key: value for key, value in llama.rope_parameters.items() if key != "type"},
+        "rope_parameters": {key: value for key, value in layer.rope_parameters.items() if key != "type"},
         "draft_vocab_size": draft_config.get("draft_vocab_size"),
         "target_hidden_size": draft_config.get("target_hidden_size"),
         "target_model_type": draft_config.get("target_model_type"),
@@ -96,6 +131,16 @@ def _rope_for_text(key: str, rope: dict[str, Any], options: ReadOptions, notes: 
     return rope
 
 
+# EAGLE 3.1 and other options that SpecForge, speculators and vLLM configs name as `Eagle3Config` does, with the same
+# meaning (SpecForge's current `norm_output` included: the state fed back is taken after the final norm).
+OPTION_FIELDS = ("fc_norm", "norm_before_residual", "norm_output", "norm_before_fc")
+
+
+def option_fields(config: dict[str, Any]) -> dict[str, bool]:
+    """The `OPTION_FIELDS` a foreign config sets, as `Eagle3Config` fields."""
+    return {name: bool(config[name]) for name in OPTION_FIELDS if config.get(name) is not None}
+
+
 def target_layer_ids(config: dict[str, Any]) -> list[int] | None:
     """The tapped target layers of a `LlamaForCausalLMEagle3` config, as sorted `hidden_states` indices.
 
@@ -117,20 +162,23 @@ def target_layer_ids(config: dict[str, Any]) -> list[int] | None:
     return top_level or nested
 
 
-def untied_head(settings: dict[str, Any], tensors: dict[str, torch.Tensor], notes: list[str]) -> None:
-    """Check a `tie_word_embeddings` flag the same way for every format: the checkpoint's own `lm_head` is used.
+def own_head(settings: dict[str, Any], tensors: dict[str, torch.Tensor], notes: list[str]) -> None:
+    """Check the draft's head the same way for every format: the checkpoint's own `lm_head` is used.
 
     Drafts (AngelSlim's among them) may carry `tie_word_embeddings: true` from their target's config while saving a
     separate `lm_head.weight` over the draft vocabulary, which is what their trainer computed and what vLLM serves.
-    Without `lm_head.weight` the head would be the token embedding, which this draft does not implement.
+    Without `lm_head.weight` the head is the target's (ModelOpt's gpt-oss-120b drafts, SGLang's
+    `load_lm_head_from_target`) or the token embedding, which this draft does not implement.
     """
-    if not settings.get("tie_word_embeddings"):
-        return
+    tied = bool(settings.get("tie_word_embeddings"))
     if "lm_head.weight" not in tensors:
         raise ConversionError(
-            "The config sets tie_word_embeddings=true and the checkpoint has no lm_head.weight: its head is the "
-            "token embedding, which Eagle3DraftModel does not implement, so it is refused."
+            ("The config sets tie_word_embeddings=true and the checkpoint" if tied else "The checkpoint")
+            + " has no lm_head.weight: the draft's head is the target's lm_head or token embedding, which "
+            "Eagle3DraftModel does not implement, so it is refused."
         )
+    if not tied:
+        return
     notes.append(
         "tie_word_embeddings=true ignored: the checkpoint has its own lm_head.weight, which its trainer used and "
         "vLLM serves (SGLang would alias lm_head to the token embedding instead)."
@@ -144,7 +192,7 @@ def llama_fields(config: Eagle3Config) -> dict[str, Any]:
     return {
         **{name: getattr(config, name) for name in DECODER_LAYER_FIELDS},
         "vocab_size": config.vocab_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": config.num_hidden_layers,
         "rope_theta": rope_theta,
         "rope_scaling": None if rope_scaling.get("rope_type") == "default" else rope_scaling,
         "tie_word_embeddings": False,
@@ -190,6 +238,43 @@ def hf_layer_ids(output_of_layer_ids: list[int] | None) -> list[int] | None:
 def output_of_layer_ids(hf_ids: list[int]) -> list[int]:
     """`hidden_states` indices -> the output-of-layer numbers SpecForge and SGLang store."""
     return [i - 1 for i in hf_ids]
+
+
+def layer_count(tensors: dict[str, torch.Tensor], prefix: str, stated: int | None) -> int:
+    """How many decoder layers the weights under `prefix{i}.` hold (one if none: older exports store it as
+    `midlayer.`), checked against the layer count the config states."""
+    indices = {int(name[len(prefix):].split(".")[0]) for name in tensors if name.startswith(prefix)}
+    count = len(indices) or 1
+    if (indices and indices != set(range(count))) or stated not in (None, count):
+        raise ConversionError(
+            f"The checkpoint holds decoder layers {sorted(indices)} ({prefix}*) but its config states "
+            f"num_hidden_layers={stated}: the weights and the config disagree about the draft's depth."
+        )
+    return count
+
+
+def layers_renamed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """`tensors` with decoder layer `prefix0.` renamed `midlayer.` and `prefix{i}.` (i > 0) `extra_layers.{i-1}.`."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            index, rest = name[len(prefix):].split(".", 1)
+            name = f"midlayer.{rest}" if index == "0" else f"extra_layers.{int(index) - 1}.{rest}"
+        renamed[name] = tensor
+    return renamed
+
+
+def layers_named(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The inverse of `layers_renamed`."""
+    named = {}
+    for name, tensor in tensors.items():
+        if name.startswith("midlayer."):
+            name = prefix + "0." + name.removeprefix("midlayer.")
+        elif name.startswith("extra_layers."):
+            index, rest = name.removeprefix("extra_layers.").split(".", 1)
+            name = f"{prefix}{int(index) + 1}.{rest}"
+        named[name] = tensor
+    return named
 
 
 def refuse_last_layer_tap(config: Eagle3Config, what: str) -> None:

@@ -18,12 +18,13 @@ from .fields import (
     draft_fields,
     dtype_name,
     llama_fields,
+    option_fields,
     output_of_layer_ids,
     refuse_last_layer_tap,
     refuse_unfaithful,
     restored_fields,
     target_layer_ids,
-    untied_head,
+    own_head,
 )
 from .files import write_checkpoint_files
 from .modelopt import MODELOPT_EAGLE_CONFIG_KEYS
@@ -32,13 +33,12 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge / SGLang's name, and vLLM's, which AngelSlim writes.
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 
-# SpecForge / SGLang options of later EAGLE variants that our draft does not implement.
+# SpecForge / SGLang settings of variants that our draft does not implement.
 UNFAITHFUL_SETTINGS = {
     "use_aux_hidden_state": (False, "an EAGLE-1/2 draft fed by the last target layer only"),
-    "fc_norm": (True, "an RMSNorm on each target feature before fc"),
-    "norm_output": (True, "the state fed back to the next draft step taken after the final norm"),
-    "norm_before_residual": (True, "the residual stream taken after hidden_norm"),
 }
+# Options SGLang does not read (vLLM does, in this format too): exporting a draft that uses them would change it.
+SGLANG_IGNORES = ("norm_before_residual", "norm_before_fc", "qk_norm")
 
 
 def detect(source: SourceFiles) -> bool:
@@ -53,9 +53,16 @@ def detect(source: SourceFiles) -> bool:
 def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> DraftCheckpoint:
     eagle_config = source.config.get("eagle_config") or {}
     refuse_unfaithful("SpecForge/SGLang", {**source.config, **eagle_config}, UNFAITHFUL_SETTINGS)
-    fields = draft_fields("sglang", source.config, source.config, options)
+    if source.config.get("num_hidden_layers", 1) > 1:
+        raise ConversionError(
+            f"The config sets num_hidden_layers={source.config['num_hidden_layers']}: SGLang's later draft layers "
+            "(additional_layers.*) restart the residual stream from each layer's output and normalise it with "
+            "hidden_norm, unlike vLLM's and speculators' plain Llama layers, which is what Eagle3DraftModel "
+            "implements; the draft is refused rather than converted into another function."
+        )
+    fields = draft_fields("sglang", source.config, source.config, options) | option_fields(source.config)
     fields["target_layer_ids"] = target_layer_ids(source.config)
-    untied_head(source.config, source.tensors, fields["converted_from"]["notes"])
+    own_head(source.config, source.tensors, fields["converted_from"]["notes"])
     fields.update(restored_fields(source.config))
     return DraftCheckpoint.build(fields, source.tensors, target)
 
@@ -63,6 +70,15 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
 def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
     config = checkpoint.config
     refuse_last_layer_tap(config, "the draft served by SGLang")
+    ignored = [name for name in SGLANG_IGNORES if getattr(config, name)]
+    if ignored or config.num_hidden_layers > 1:
+        settings = [f"{name}=True" for name in ignored] + (
+            [f"num_hidden_layers={config.num_hidden_layers}"] if config.num_hidden_layers > 1 else []
+        )
+        raise ConversionError(
+            f"The draft uses {', '.join(settings)}, which SGLang does not implement (or, for several layers, "
+            "implements differently): it would serve another function. Export to speculators (vLLM) instead."
+        )
     if not config.share_target_embedding:
         raise ConversionError(
             "SGLang always replaces a draft's token embedding with the target's, and this draft has one of its own "
@@ -75,6 +91,8 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
         **llama_fields(config),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": output_of_layer_ids(config.target_layer_ids),
             "use_aux_hidden_state": True,

@@ -52,39 +52,68 @@ class Fixture:
     target_hidden: int
     expected_layer_ids: list[int]
     target: TargetInfo = field(default_factory=TargetInfo)
+    # What the source engine computes beyond plain EAGLE-3: any of fc_norm, norm_before_fc, norm_before_residual,
+    # norm_output, qk_norm (True), and the number of decoder layers (later ones stored as `layers.{i}.`).
+    options: dict = field(default_factory=dict)
+    num_layers: int = 1
 
 
 # --- fixtures, written as each project writes them -------------------------------------------------------------
 
 
-def eagle3_weights(layer_prefix: str, target_hidden: int, dtype: torch.dtype, seed: int = 0) -> dict:
-    """Random weights of one EAGLE-3 draft under the official key names, decoder layer under `layer_prefix`."""
+def eagle3_weights(
+    layer_prefix: str, target_hidden: int, dtype: torch.dtype, seed: int = 0, *, num_layers: int = 1,
+    fc_norm: bool = False, norm_before_fc: bool = False, qk_norm: bool = False, intermediate: int = INTERMEDIATE,
+) -> dict:
+    """Random weights of one EAGLE-3 draft under the official key names, first decoder layer under `layer_prefix`,
+    later ones (plain Llama layers) under `layers.{i}.`; optional EAGLE 3.1 / speculators norms."""
     generator = torch.Generator().manual_seed(seed)
 
     def linear(rows, columns):
         return (torch.randn(rows, columns, generator=generator) / math.sqrt(columns)).to(dtype)
 
-    def norm():
-        return (1 + 0.1 * torch.randn(HIDDEN, generator=generator)).to(dtype)
+    def norm(width=HIDDEN):
+        return (1 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
 
-    layer = {
-        "self_attn.q_proj.weight": linear(HEADS * HEAD_DIM, 2 * HIDDEN),
-        "self_attn.k_proj.weight": linear(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "self_attn.v_proj.weight": linear(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "self_attn.o_proj.weight": linear(HIDDEN, HEADS * HEAD_DIM),
-        "mlp.gate_proj.weight": linear(INTERMEDIATE, HIDDEN),
-        "mlp.up_proj.weight": linear(INTERMEDIATE, HIDDEN),
-        "mlp.down_proj.weight": linear(HIDDEN, INTERMEDIATE),
-        "hidden_norm.weight": norm(),
-        "input_layernorm.weight": norm(),
-        "post_attention_layernorm.weight": norm(),
-    }
+    def layer(index):
+        width = 2 * HIDDEN if index == 0 else HIDDEN
+        weights = {
+            "self_attn.q_proj.weight": linear(HEADS * HEAD_DIM, width),
+            "self_attn.k_proj.weight": linear(KV_HEADS * HEAD_DIM, width),
+            "self_attn.v_proj.weight": linear(KV_HEADS * HEAD_DIM, width),
+            "self_attn.o_proj.weight": linear(HIDDEN, HEADS * HEAD_DIM),
+            "mlp.gate_proj.weight": linear(intermediate, HIDDEN),
+            "mlp.up_proj.weight": linear(intermediate, HIDDEN),
+            "mlp.down_proj.weight": linear(HIDDEN, intermediate),
+            "input_layernorm.weight": norm(),
+            "post_attention_layernorm.weight": norm(),
+            **({"hidden_norm.weight": norm()} if index == 0 else {}),
+            **({"self_attn.q_norm.weight": norm(HEAD_DIM), "self_attn.k_norm.weight": norm(HEAD_DIM)} if qk_norm else {}),
+        }
+        prefix = layer_prefix if index == 0 else f"layers.{index}."
+        return {prefix + name: tensor for name, tensor in weights.items()}
+
     return {
-        **{layer_prefix + name: tensor for name, tensor in layer.items()},
+        **{name: tensor for index in range(num_layers) for name, tensor in layer(index).items()},
         "norm.weight": norm(),
         "fc.weight": linear(HIDDEN, 3 * target_hidden),
         "lm_head.weight": linear(DRAFT_VOCAB, HIDDEN),
+        **({f"fc_norm.{i}.weight": norm(target_hidden) for i in range(3)} if fc_norm else {}),
+        **({"input_norm.weight": norm(3 * target_hidden)} if norm_before_fc else {}),
     }
+
+
+def our_names(fixture: "Fixture") -> dict[str, torch.Tensor]:
+    """The fixture's tensors under Eagle3DraftModel's names."""
+    renamed = {}
+    for name, tensor in fixture.tensors.items():
+        if name.startswith(fixture.layer_prefix):
+            name = "midlayer." + name.removeprefix(fixture.layer_prefix)
+        elif name.startswith("layers."):
+            index, rest = name.removeprefix("layers.").split(".", 1)
+            name = f"extra_layers.{int(index) - 1}.{rest}"
+        renamed[name] = tensor
+    return renamed
 
 
 def sorted_vocabulary(seed: int = 1) -> torch.Tensor:
@@ -322,6 +351,107 @@ def specforge_vl_fixture(folder: Path) -> Fixture:
     return Fixture(**{**fixture.__dict__, "inv_freq": rope_frequencies(1e6)})
 
 
+def specforge_eagle31_fixture(folder: Path) -> Fixture:
+    """SpecForge EAGLE 3.1, mirroring sgl-project/SpecForge `configs/qwen3-30B-A3B-eagle3.1.json`: `fc_norm` and
+    `norm_output` (the state fed back is taken after the final norm), no layer ids, embedding dropped on save."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {**eagle3_weights("midlayer.", HIDDEN, torch.bfloat16, fc_norm=True), **mapping_buffers(draft_to_target)}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(
+        folder / "config.json",
+        eagle3_llama_config(
+            attention_bias=False, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, fc_norm=True,
+            initializer_range=0.02, max_position_embeddings=2048, max_window_layers=48, norm_output=True,
+            rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1000000.0, sliding_window=None, torch_dtype="bfloat16",
+            transformers_version="4.53.2", use_cache=True, use_sliding_window=False,
+        ),
+    )
+    return Fixture(
+        tensors, "midlayer.", draft_to_target, 1e-6, rope_frequencies(1e6), HIDDEN, DEFAULT_TAPS,
+        target=TargetInfo(num_hidden_layers=TARGET_LAYERS), options={"fc_norm": True, "norm_output": True},
+    )  # fmt: skip
+
+
+def speculators_variant_fixture(
+    folder: Path, options: dict, layer_config: dict | None = None, num_layers: int = 1, dtype=torch.bfloat16
+) -> Fixture:
+    """speculators `Eagle3Speculator` with the top-level option keys `options` and extra `transformer_layer_config`
+    fields; `num_layers` decoder layers `layers.{i}.*`."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {
+        **eagle3_weights(
+            "layers.0.", HIDDEN, dtype, num_layers=num_layers, fc_norm=options.get("fc_norm", False),
+            norm_before_fc=options.get("norm_before_fc", False), qk_norm=options.get("qk_norm", False),
+        ),
+        **mapping_buffers(draft_to_target),
+    }  # fmt: skip
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    layer_config = llama_config(**{"model_type": "llama", "num_hidden_layers": num_layers, "rope_theta": 1e6,
+                                   **(layer_config or {})})
+    write_json(
+        folder / "config.json",
+        {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.3.0",
+            "transformer_layer_config": layer_config,
+            "draft_vocab_size": DRAFT_VOCAB,
+            "norm_before_residual": False,
+            **{name: value for name, value in options.items() if name != "qk_norm"},
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": [2, 6, 9],
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0}
+                ],
+                "verifier": {"name_or_path": "org/target", "architectures": ["Qwen3ForCausalLM"]},
+            },
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        },
+    )
+    return Fixture(
+        tensors, "layers.0.", draft_to_target, 1e-6, rope_frequencies(1e6), HIDDEN, [2, 6, 9], options=options,
+        num_layers=num_layers,
+    )  # fmt: skip
+
+
+def speculators_qwen3_fixture(folder: Path) -> Fixture:
+    """RedHatAI's Qwen3 speculators drafts (e.g. Qwen3-30B-A3B-Instruct-2507-speculator.eagle3): a `qwen3` layer
+    config (per-head q / k norms; Qwen3Config's defaults for what `to_diff_dict` leaves out) and
+    `norm_before_residual: true`. Reconstructed from speculators' and vLLM's code, not from a released file."""
+    return speculators_variant_fixture(
+        folder, {"norm_before_residual": True, "qk_norm": True}, {"model_type": "qwen3", "head_dim": HEAD_DIM}
+    )
+
+
+def speculators_gpt_oss_fixture(folder: Path) -> Fixture:
+    """RedHatAI/gpt-oss-20b-speculator.eagle3 as public loaders describe it: `norm_before_fc` (`input_norm` over the
+    concatenated taps) and `norm_before_residual`."""
+    return speculators_variant_fixture(folder, {"norm_before_fc": True, "norm_before_residual": True})
+
+
+def speculators_eagle31_fixture(folder: Path) -> Fixture:
+    """speculators EAGLE 3.1: `fc_norm.{0,1,2}.weight` and `norm_output` (reconstructed from the EAGLE 3.1 notes)."""
+    return speculators_variant_fixture(folder, {"fc_norm": True, "norm_output": True}, dtype=torch.float32)
+
+
+def speculators_two_layer_fixture(folder: Path) -> Fixture:
+    """A two-layer speculators draft (`layers.1.*` a plain Llama layer, as vLLM's llama_eagle3 builds it)."""
+    return speculators_variant_fixture(folder, {}, num_layers=2)
+
+
+def sglang_llama4_fixture(folder: Path) -> Fixture:
+    """A `llama4_text` draft layer config: SGLang's llama_eagle3 sizes the dense MLP by `intermediate_size_mlp`
+    (`intermediate_size` is the MoE expert width). Reconstructed from SGLang's code."""
+    fixture = sglang_fixture(folder, target_hidden=HIDDEN)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="llama4_text", intermediate_size=8, intermediate_size_mlp=INTERMEDIATE)
+    write_json(folder / "config.json", config)
+    return fixture
+
+
 # family -> (format it is detected as, fixture)
 FIXTURES = {
     "official": ("official", official_fixture),
@@ -330,26 +460,30 @@ FIXTURES = {
     "modelopt": ("modelopt", modelopt_fixture),
     "angelslim-vl": ("sglang", angelslim_vl_fixture),
     "specforge-vl": ("sglang", specforge_vl_fixture),
+    "specforge-eagle3.1": ("sglang", specforge_eagle31_fixture),
+    "specforge-llama4": ("sglang", sglang_llama4_fixture),
+    "speculators-qwen3": ("speculators", speculators_qwen3_fixture),
+    "speculators-gpt-oss": ("speculators", speculators_gpt_oss_fixture),
+    "speculators-eagle3.1": ("speculators", speculators_eagle31_fixture),
+    "speculators-two-layers": ("speculators", speculators_two_layer_fixture),
 }
 
 
 # --- the reference forward, from the formats' shared semantics -------------------------------------------------
 
 
-def reference_logits(fixture: Fixture, embedding: torch.Tensor, input_ids, features, positions) -> torch.Tensor:
-    """One EAGLE-3 draft step on target features, in float32: logits over the draft vocabulary, format order."""
+def reference_forward(fixture: Fixture, embedding: torch.Tensor, input_ids, features, positions):
+    """One draft step on target features, in float32, as the source engine computes it (vLLM's / SGLang's
+    `llama_eagle3`, speculators' `Eagle3Speculator`): logits over the draft vocabulary in the format's order, and the
+    feature fed back at the next step."""
     weights = {name: tensor.float() for name, tensor in fixture.tensors.items()}
-    layer = {
-        name.removeprefix(fixture.layer_prefix): t
-        for name, t in weights.items()
-        if name.startswith(fixture.layer_prefix)
-    }
+    options = fixture.options
+
+    def layer_weights(prefix):
+        return {name.removeprefix(prefix): t for name, t in weights.items() if name.startswith(prefix)}
 
     def rms_norm(x, weight):
         return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + fixture.rms_norm_eps)
-
-    def heads(x, projection, count):
-        return (x @ layer[projection].T).view(*x.shape[:2], count, HEAD_DIM).transpose(1, 2)
 
     def rotate(x):  # rotate-half RoPE, [B, heads, T, D]
         angles = positions[:, None].double() * fixture.inv_freq[None, :]
@@ -357,23 +491,41 @@ def reference_logits(fixture: Fixture, embedding: torch.Tensor, input_ids, featu
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin
 
+    def attention(layer, attn_in):
+        def heads(projection, count, norm=None):
+            x = (attn_in @ layer[projection].T).view(*attn_in.shape[:2], count, HEAD_DIM)
+            return (rms_norm(x, layer[norm]) if norm and options.get("qk_norm") else x).transpose(1, 2)
+
+        query = rotate(heads("self_attn.q_proj.weight", HEADS, "self_attn.q_norm.weight"))
+        key = rotate(heads("self_attn.k_proj.weight", KV_HEADS, "self_attn.k_norm.weight"))
+        key = key.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        value = heads("self_attn.v_proj.weight", KV_HEADS).repeat_interleave(HEADS // KV_HEADS, dim=1)
+        length = input_ids.shape[1]
+        scores = query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM)
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(*input_ids.shape, HEADS * HEAD_DIM)
+        return attended @ layer["self_attn.o_proj.weight"].T
+
+    def mlp(layer, x):
+        normed = rms_norm(x, layer["post_attention_layernorm.weight"])
+        gate = nn.functional.silu(normed @ layer["mlp.gate_proj.weight"].T) * (normed @ layer["mlp.up_proj.weight"].T)
+        return x + gate @ layer["mlp.down_proj.weight"].T
+
+    if options.get("fc_norm"):
+        features = torch.cat([rms_norm(c, weights[f"fc_norm.{i}.weight"]) for i, c in enumerate(features.chunk(3, -1))], -1)
+    if options.get("norm_before_fc"):
+        features = rms_norm(features, weights["input_norm.weight"])
     fused = features @ weights["fc.weight"].T
-    attn_in = torch.cat(
-        [rms_norm(embedding[input_ids], layer["input_layernorm.weight"]), rms_norm(fused, layer["hidden_norm.weight"])],
-        -1,
-    )
-    query = rotate(heads(attn_in, "self_attn.q_proj.weight", HEADS))
-    key = rotate(heads(attn_in, "self_attn.k_proj.weight", KV_HEADS)).repeat_interleave(HEADS // KV_HEADS, dim=1)
-    value = heads(attn_in, "self_attn.v_proj.weight", KV_HEADS).repeat_interleave(HEADS // KV_HEADS, dim=1)
-    length = input_ids.shape[1]
-    scores = query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM)
-    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-    attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(*input_ids.shape, HEADS * HEAD_DIM)
-    hidden = fused + attended @ layer["self_attn.o_proj.weight"].T
-    normed = rms_norm(hidden, layer["post_attention_layernorm.weight"])
-    mlp = nn.functional.silu(normed @ layer["mlp.gate_proj.weight"].T) * (normed @ layer["mlp.up_proj.weight"].T)
-    hidden = hidden + mlp @ layer["mlp.down_proj.weight"].T
-    return rms_norm(hidden, weights["norm.weight"]) @ weights["lm_head.weight"].T
+    layer = layer_weights(fixture.layer_prefix)
+    normed = rms_norm(fused, layer["hidden_norm.weight"])
+    residual = normed if options.get("norm_before_residual") else fused
+    hidden = residual + attention(layer, torch.cat([rms_norm(embedding[input_ids], layer["input_layernorm.weight"]), normed], -1))
+    hidden = mlp(layer, hidden)
+    for index in range(1, fixture.num_layers):  # vLLM: plain Llama layers over the feature
+        layer = layer_weights(f"layers.{index}.")
+        hidden = mlp(layer, hidden + attention(layer, rms_norm(hidden, layer["input_layernorm.weight"])))
+    final = rms_norm(hidden, weights["norm.weight"])
+    return final @ weights["lm_head.weight"].T, final if options.get("norm_output") else hidden
 
 
 def over_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
@@ -398,7 +550,7 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, family):
     assert detected == format_name
     # Every saved weight lands, unchanged and in its dtype; nothing is left over or invented.
     converted = load_file(destination / "model.safetensors")
-    renamed = {name.replace(fixture.layer_prefix, "midlayer.", 1): t for name, t in fixture.tensors.items()}
+    renamed = our_names(fixture)
     assert converted.keys() - {"d2t", "t2d"} == renamed.keys() - {"d2t", "t2d"}
     order = fixture.draft_to_target.argsort()
     for name, tensor in converted.items():
@@ -419,8 +571,10 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, family):
     features = torch.randn(2, 7, 3 * fixture.target_hidden, generator=generator)
     positions = torch.arange(3000, 3007)  # far out, where the RoPE base and scaling matter
     with torch.no_grad():
-        logits = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False).logits
-    expected = reference_logits(fixture, embedding, input_ids, features, positions)
+        output = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False)
+    expected, expected_feature = reference_forward(fixture, embedding, input_ids, features, positions)
+    logits = output.logits
+    torch.testing.assert_close(output.hidden_states, expected_feature, rtol=0, atol=5e-5)
 
     torch.testing.assert_close(
         over_target_vocabulary(logits, draft.draft_to_target),
@@ -559,10 +713,23 @@ def test_specforge_norm_output_false_is_plain_eagle3(tmp_path):
 # --- exports ----------------------------------------------------------------------------------------------------
 
 
+SGLANG_VARIANTS = [{}, {"fc_norm": True, "norm_output": True}]
+SPECULATORS_VARIANTS = [
+    *SGLANG_VARIANTS, {"norm_before_residual": True, "qk_norm": True}, {"norm_before_fc": True},
+    {"num_hidden_layers": 2, "norm_before_residual": True},
+]
+ROUND_TRIPS = [("sglang", variant) for variant in SGLANG_VARIANTS] + [
+    ("speculators", variant) for variant in SPECULATORS_VARIANTS
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("export_format", ["sglang", "speculators"])
-def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, dtype):
+@pytest.mark.parametrize(
+    "export_format, variant", ROUND_TRIPS, ids=[f"{f}-{'+'.join(v) or 'eagle3'}" for f, v in ROUND_TRIPS]
+)
+def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, variant, dtype):
     draft = tiny_draft(
+        **variant,
         draft_vocab_size=40,
         target_name_or_path="org/target",
         rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING, "original_max_position_embeddings": 256},
@@ -579,6 +746,26 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, dtype):
     ).read_bytes()
     original, back = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("hub", "back"))
     assert back == original  # the target's id and layer count and the tree settings included
+
+
+@pytest.mark.parametrize("variant, setting", [
+    ({"norm_before_residual": True}, "norm_before_residual=True"),
+    ({"norm_before_fc": True}, "norm_before_fc=True"),
+    ({"qk_norm": True}, "qk_norm=True"),
+    ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+])
+def test_sglang_export_refuses_what_sglang_does_not_compute(tmp_path, variant, setting):
+    tiny_draft(**variant).save_pretrained(tmp_path / "hub")
+    with pytest.raises(ConversionError, match=f"{setting}.*Export to speculators"):
+        convert(tmp_path / "hub", tmp_path / "out", to_format="sglang")
+    assert not (tmp_path / "out").exists()
+
+
+def test_exports_refuse_a_tap_on_the_targets_last_layer(tmp_path):
+    tiny_draft(target_layer_ids=[2, 4, 8]).save_pretrained(tmp_path / "hub")  # an 8-layer target's hidden_states[8]
+    for export_format in ("sglang", "speculators"):
+        with pytest.raises(ConversionError, match="last layer.*before the target's final norm"):
+            convert(tmp_path / "hub", tmp_path / export_format, to_format=export_format)
 
 
 def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
@@ -680,7 +867,7 @@ MALFORMED = {
         _set_config("eagle_config.eagle_aux_hidden_state_layer_ids", [1, 5, 12]),
         r"outside a target with 12 layers",
     ),
-    "fc_norm": (_set_config("fc_norm", True), "fc_norm=True"),
+    "fc_norm without its weights": (_set_config("fc_norm", True), r"missing \['fc_norm.0.weight'"),
     "no aux hidden states": (_set_config("eagle_config.use_aux_hidden_state", False), "EAGLE-1/2"),
     "invalid config": (_set_config("draft_vocab_size", VOCAB + 1), "draft_vocab_size"),
 }
@@ -711,18 +898,21 @@ def _rewrite(folder: Path, mutate_config=None, extra_tensors=None) -> None:
 
 
 UNFAITHFUL = {
-    "norm_before_residual": (
-        speculators_fixture, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"
-    ),
-    "norm_before_fc": (
-        speculators_fixture, lambda c: c.update(norm_before_fc=True), {"input_norm.weight": torch.ones(3 * HIDDEN)},
-        "norm_before_fc=True",
-    ),
     "norm_before_residual unstated": (
         speculators_fixture, lambda c: c.pop("norm_before_residual"), None, "vLLM as true"
     ),
-    "qwen3 layer": (
-        speculators_fixture, lambda c: c["transformer_layer_config"].update(model_type="qwen3"), None, "'qwen3'"
+    "unknown layer type": (
+        speculators_fixture, lambda c: c["transformer_layer_config"].update(model_type="gemma3"), None, "'gemma3' layer"
+    ),
+    "sliding-window layer": (
+        speculators_fixture,
+        lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=128),
+        None, "sliding-window attention",
+    ),
+    "SGLang's extra layers": (sglang_fixture, lambda c: c.update(num_hidden_layers=2), None, "additional_layers"),
+    "layer count disagrees with the weights": (
+        speculators_fixture, lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), None,
+        "disagree about the draft's depth",
     ),
     "no final norm": (
         modelopt_fixture, lambda c: c["eagle_config"].update(use_last_layernorm=False), None, "use_last_layernorm"
