@@ -11,7 +11,7 @@ Every format is read into one [`DraftCheckpoint`] (our config and weight names, 
 | `modelopt` | NVIDIA ModelOpt | yes | no |
 
 ```python
->>> from conversion import TargetInfo, convert
+>>> from hf_eagle3.conversion import TargetInfo, convert
 >>> convert("EAGLE3-LLaMA3.1-Instruct-8B", "draft", target=TargetInfo(num_hidden_layers=32))  # doctest: +SKIP
 ```
 The command line is `hf-eagle3 convert SRC DST [--from FORMAT] [--to FORMAT]`.

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from hf_eagle3 import Eagle3Config, Eagle3DraftModel
+from ..configuration_eagle3 import Eagle3Config
+from ..modeling_eagle3 import Eagle3DraftModel
 
 # Buffers mapping draft ids to target ids: `d2t[i]` is the offset of draft id i (target id = i + d2t[i]) and
 # `t2d[t]` says whether target id t is in the draft vocabulary. Both may be absent from a source checkpoint.

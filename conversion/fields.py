@@ -11,7 +11,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Llama4TextConfig, LlamaConfig, PreTrainedConfig, Qwen3Config
 
-from hf_eagle3 import Eagle3Config
+from ..configuration_eagle3 import Eagle3Config
 
 from .checkpoint import ConversionError, ReadOptions
 

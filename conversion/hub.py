@@ -3,7 +3,7 @@
 
 from pathlib import Path
 
-from hf_eagle3 import Eagle3Config
+from ..configuration_eagle3 import Eagle3Config
 
 from .checkpoint import CheckpointFormat, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo, meta_model
 

@@ -20,13 +20,13 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, Mo
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from conversion import ConversionError, DraftCheckpoint, read_checkpoint
-from conversion.fields import dtype_name
-from conversion.files import read_json
+from .conversion import ConversionError, DraftCheckpoint, read_checkpoint
+from .conversion.fields import dtype_name
+from .conversion.files import read_json
 
 from .modeling_eagle3 import Eagle3DraftModel
 
-CARD_TEMPLATE = importlib.resources.files("model_cards") / "eagle3_draft.md"
+CARD_TEMPLATE = importlib.resources.files("hf_eagle3.model_cards") / "eagle3_draft.md"
 CARD_TAGS = ["eagle3", "speculative-decoding", "hf-eagle3"]
 RESULTS_FILE = "eagle3_results.json"
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conversion import ConversionError, TargetInfo, convert
+from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from hf_eagle3 import Eagle3DraftModel, check_compatibility, cli
 
 from conftest import tiny_draft
@@ -969,7 +969,7 @@ def test_existing_destination_is_not_overwritten(tmp_path):
 
 @pytest.fixture
 def only_our_commands(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["conversion.cli", "hf_eagle3.hub"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.hub"])
 
 
 def test_ambiguous_source_asks_for_the_format(tmp_path, capsys, only_our_commands):
@@ -1085,7 +1085,7 @@ def test_a_converted_folder_has_the_modes_of_a_folder_written_in_place(tmp_path)
 FULL_DISK = """
 import resource, signal, sys
 sys.path.insert(0, {tests!r})
-from conversion import ConversionError, convert
+from hf_eagle3.conversion import ConversionError, convert
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
 try:

@@ -13,7 +13,7 @@ import pytest
 from huggingface_hub import HfApi, ModelCard
 from safetensors.torch import load_file, save_file
 
-from conversion import ConversionError, convert
+from hf_eagle3.conversion import ConversionError, convert
 from hf_eagle3 import cli
 from hf_eagle3.hub import load_results, push_folder, upload_operations
 
@@ -89,7 +89,7 @@ def test_from_pretrained_and_convert_resolve_a_repo_id_from_the_local_cache(tmp_
         f"""
         import torch
         from safetensors.torch import load_file
-        from conversion import convert
+        from hf_eagle3.conversion import convert
         from hf_eagle3 import Eagle3DraftModel
 
         draft = Eagle3DraftModel.from_pretrained("org/name")
@@ -148,7 +148,7 @@ def test_push_to_hub_sends_the_checkpoint_and_a_model_card(mocked_hub, saved_dra
 
 @pytest.fixture
 def only_our_commands(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["conversion.cli", "hf_eagle3.hub"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.hub"])
 
 
 def test_push_command_dry_run_lists_the_upload_and_sends_nothing(mocked_hub, saved_draft, capsys, only_our_commands):
