@@ -37,8 +37,9 @@ class ConversionError(ValueError):
 class TargetInfo:
     """What the user tells the converter about the target model; every field is optional.
 
-    Formats that do not record which target layers the draft reads need `num_hidden_layers`; the other fields are
-    recorded in the converted config and cross-checked against the checkpoint.
+    Formats that do not record which target layers the draft reads need `num_hidden_layers`, unless
+    `known_at_generate` says the target will be given to `generate` (which then takes the default taps from it); the
+    other fields are recorded in the converted config and cross-checked against the checkpoint.
     """
 
     num_hidden_layers: int | None = None
@@ -46,6 +47,7 @@ class TargetInfo:
     vocab_size: int | None = None
     model_type: str | None = None
     name_or_path: str | None = None
+    known_at_generate: bool = False
 
     @classmethod
     def from_config_dict(cls, config: dict[str, Any], name_or_path: str | None = None) -> "TargetInfo":
@@ -179,7 +181,9 @@ def _build_config(fields: dict[str, Any], target: TargetInfo) -> Eagle3Config:
             raise ConversionError(f"The checkpoint records {field}={recorded!r} but the target given has {told!r}.")
         if told is not None:
             fields[field] = told
-    if fields.get("target_layer_ids") is None and fields.get("target_num_hidden_layers") is None:
+    if fields.get("target_layer_ids") is None and fields.get("target_num_hidden_layers") is None and not (
+        target.known_at_generate
+    ):
         raise ConversionError(
             "The checkpoint does not record which target hidden states the draft reads. " + MISSING_TARGET_LAYERS_HINT
         )

@@ -284,7 +284,7 @@ def refuse_last_layer_tap(config: Eagle3Config, what: str) -> None:
     `Eagle3DraftModel` is fed, comes after it.
     """
     num_layers = config.target_num_hidden_layers
-    if num_layers is not None and num_layers in config.target_layer_ids:
+    if num_layers is not None and num_layers in (config.target_layer_ids or []):
         raise ConversionError(
             f"The draft's target layers include the output of the target's last layer (hidden_states index "
             f"{num_layers} of an {num_layers}-layer target; {num_layers - 1} in output-of-layer numbering). SGLang "

@@ -5,7 +5,7 @@ from packaging.version import Version
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .configuration_eagle3 import Eagle3Config
+from .configuration_eagle3 import Eagle3Config, default_target_layer_ids
 
 logger = logging.get_logger(__name__)
 # `hf_eagle3.generation` replaces private generation methods whose signatures change between releases.
@@ -20,6 +20,20 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
             f"transformers >={low},<{high}; found {version}. Install a tested version: "
             f"pip install 'transformers>={low},<{high}'."
         )
+
+
+def adopt_target_layers(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
+    """Give a draft whose checkpoint does not say which target layers it reads (official EAGLE-3 and AngelSlim
+    drafts loaded directly) the default taps of `target`, as the official code and vLLM do."""
+    num_layers = getattr(target.config.get_text_config(), "num_hidden_layers", None)
+    if draft_config.target_layer_ids is not None or num_layers is None:
+        return
+    draft_config.target_num_hidden_layers = num_layers
+    draft_config.target_layer_ids = default_target_layer_ids(num_layers)
+    logger.warning_once(
+        f"The draft does not record which target layers it reads: using hidden_states {draft_config.target_layer_ids}"
+        f" of this {num_layers}-layer target, the official choice."
+    )
 
 
 def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> None:

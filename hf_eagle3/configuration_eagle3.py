@@ -170,9 +170,7 @@ class Eagle3Config(PreTrainedConfig):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
-            n = self.target_num_hidden_layers
-            official = [2, n // 2, n - 3]
-            self.target_layer_ids = official if len(set(official)) == 3 and n - 3 > n // 2 else [n // 4, n // 2, n - 1]
+            self.target_layer_ids = default_target_layer_ids(self.target_num_hidden_layers)
         if self.target_layer_ids is not None:
             self.target_layer_ids = sorted(int(i) for i in self.target_layer_ids)
         super().__post_init__(**kwargs)
@@ -245,4 +243,13 @@ class Eagle3Config(PreTrainedConfig):
             raise ValueError("Invalid Eagle3Config: " + "; ".join(problems) + ".")
 
 
-__all__ = ["Eagle3Config"]
+def default_target_layer_ids(num_layers: int) -> list[int]:
+    """The `hidden_states` indices an `num_layers`-layer target is tapped at by default: the official (2, N//2, N-3),
+    or (N//4, N//2, N-1) for targets too shallow for three distinct official taps."""
+    official = [2, num_layers // 2, num_layers - 3]
+    if len(set(official)) == 3 and num_layers - 3 > num_layers // 2:
+        return official
+    return [num_layers // 4, num_layers // 2, num_layers - 1]
+
+
+__all__ = ["Eagle3Config", "default_target_layer_ids"]

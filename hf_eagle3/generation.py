@@ -32,7 +32,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .calibration import choose_tree
-from .compatibility import check_compatibility
+from .compatibility import adopt_target_layers, check_compatibility
 from .drafter import Eagle3Drafter, TreeSettings, max_candidates
 from .modeling_eagle3 import Eagle3DraftModel
 from .tree import DraftTree, tree_attention_mask
@@ -441,6 +441,7 @@ def _wrap_generate(original):
                 "and set tree_depth / tree_top_k / tree_total_tokens (or tree_shape='auto') instead."
             )
         # before transformers' own assistant checks, which would ask for an assistant tokenizer on a vocabulary mismatch
+        adopt_target_layers(draft.config, self)
         check_compatibility(draft.config, self)
         settings = _resolve_tree_shape(self, draft, eagle3_kwargs)
         if "tree_depth" in settings and settings["tree_depth"] is None:  # no tree pays here: plain decoding

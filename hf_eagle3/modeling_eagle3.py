@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -41,9 +41,11 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from .configuration_eagle3 import Eagle3Config
+
+logger = logging.get_logger(__name__)
 
 
 class Eagle3Attention(nn.Module):
@@ -224,9 +226,20 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, refusing checkpoints that leave any draft weight uninitialised."""
+        """`PreTrainedModel.from_pretrained`, refusing checkpoints that leave any draft weight uninitialised.
+
+        A folder or Hub repo saved in another project's format (official EAGLE-3, SpecForge / SGLang, AngelSlim, vLLM
+        speculators, NVIDIA ModelOpt) is detected, converted in memory as `hf-eagle3 convert` would convert it, and
+        loaded; `from_format="sglang"` (etc.) names the format where detection cannot settle it. Target layers such a
+        checkpoint does not record are taken from the target when `generate` first sees the draft.
+        """
         output_loading_info = kwargs.pop("output_loading_info", False)
+        from_format = kwargs.pop("from_format", None)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        foreign = _foreign_checkpoint(source, from_format, kwargs)
+        if foreign is not None:  # loaded from memory by the same code path as a saved draft
+            kwargs.pop("pretrained_model_name_or_path", None)
+            args, kwargs = (None, *args[1:]), {**kwargs, "config": foreign.config, "state_dict": foreign.tensors}
         try:
             model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except SafetensorError as error:
@@ -402,6 +415,40 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         hidden_states = self.output_feature(hidden_states)
         logits = self.compute_logits(hidden_states[:, -logits_to_keep:])
         return Eagle3DraftOutput(logits=logits, hidden_states=hidden_states, cache=cache)
+
+
+# `from_pretrained` arguments that say where a checkpoint's files are.
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+
+
+def _foreign_checkpoint(source, from_format: str | None, kwargs: dict):
+    """The draft at `source` converted in memory (a `DraftCheckpoint`) when it is in another project's format, else
+    `None` (also when `source` has no readable config: the regular loader names that problem)."""
+    if source is None or (from_format in (None, "hub") and not _is_foreign(source, kwargs)):
+        return None
+    # hf_eagle3 is not part of the remote code saved with the draft: inside `try`, transformers' import check of
+    # remote code skips this import.
+    try:
+        from hf_eagle3.conversion import TargetInfo, read_checkpoint
+    except ImportError as error:
+        raise ImportError(
+            f"{source} is a draft in another project's format; loading it needs `pip install hf-eagle3`."
+        ) from error
+    checkpoint, format_name = read_checkpoint(source, from_format, TargetInfo(known_at_generate=True))
+    notes = (checkpoint.config.converted_from or {}).get("notes", [])
+    logger.warning(
+        f"{source} is a {format_name} checkpoint: converted in memory (`hf-eagle3 convert` writes the conversion "
+        "to disk)" + (": " + " ".join(notes) if notes else ".")
+    )
+    return checkpoint
+
+
+def _is_foreign(source, kwargs: dict) -> bool:
+    try:
+        config, _ = PreTrainedConfig.get_config_dict(source, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    except (OSError, ValueError):
+        return False
+    return config.get("model_type") != Eagle3Config.model_type
 
 
 def _additive_mask(

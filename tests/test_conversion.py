@@ -585,6 +585,40 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, family):
     )
 
 
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_from_pretrained_loads_every_foreign_format_as_its_conversion(tmp_path, family, caplog):
+    """`Eagle3DraftModel.from_pretrained(foreign_dir)` converts in memory: the same draft, and the same `generate`,
+    as loading the converted checkpoint; taps the checkpoint does not record come from the target."""
+    format_name, write_fixture = FIXTURES[family]
+    source = tmp_path / family
+    source.mkdir()
+    fixture = write_fixture(source)
+    convert(source, tmp_path / "hub", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    converted = Eagle3DraftModel.from_pretrained(tmp_path / "hub")
+
+    direct = Eagle3DraftModel.from_pretrained(source)
+
+    assert any(f"is a {format_name} checkpoint: converted in memory" in record.message for record in caplog.records)
+    assert direct.dtype == converted.dtype
+    direct_weights, converted_weights = direct.state_dict(), converted.state_dict()
+    assert direct_weights.keys() == converted_weights.keys()
+    assert all(torch.equal(direct_weights[name], converted_weights[name]) for name in converted_weights
+               if name != "embed_tokens.weight" or not converted.config.share_target_embedding)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=fixture.target_hidden, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
+    )).eval()  # fmt: skip
+    prompt = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for draft in (direct.float(), converted.float()):
+        outputs.append(target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=12,
+                                       tree_depth=3, tree_top_k=2, tree_total_tokens=6))
+        outputs.append(draft.generation_stats.acceptance_lengths)
+    assert direct.config.target_layer_ids == converted.config.target_layer_ids == fixture.expected_layer_ids
+    assert torch.equal(outputs[0], outputs[2]) and outputs[1] == outputs[3]
+
+
 def test_older_modelopt_export_with_midlayer_names_is_still_modelopt(tmp_path):
     fixture = modelopt_fixture(tmp_path)
     save_file(
