@@ -74,17 +74,14 @@ def draft_fields(
         layer = LAYER_CONFIG_CLASSES[model_type](**layer_input)
     except (StrictDataclassError, ValueError, TypeError, KeyError) as error:
         raise ConversionError(f"The checkpoint's {model_type} layer config is invalid: {error!r}") from error
-    sliding = "sliding_attention" in (layer_input.get("layer_types") or []) or layer_input.get("use_sliding_window")
-    if sliding:
-        raise ConversionError(
-            f"The draft's decoder layer uses sliding-window attention (layer_types={layer_input.get('layer_types')}, "
-            f"sliding_window={layer_input.get('sliding_window')}), which Eagle3DraftModel does not implement: its "
-            "attention would see the whole sequence, so it is refused."
-        )
+    layer_types = getattr(layer, "layer_types", None) or layer_input.get("layer_types")
+    sliding = "sliding_attention" in (layer_types or [])
     return {
         **{name: getattr(layer, name, False) for name in DECODER_LAYER_FIELDS},
         "intermediate_size": layer.intermediate_size_mlp if model_type == "llama4_text" else layer.intermediate_size,
         "qk_norm": model_type == "qwen3",
+        "layer_types": list(layer_types) if sliding else None,
+        "sliding_window": getattr(layer, "sliding_window", None) if sliding else None,
         "vocab_size": layer.vocab_size,
         # `type` is the legacy alias of `rope_type` that LlamaConfig keeps next to it.
         "rope_parameters": {key: value for key, value in layer.rope_parameters.items() if key != "type"},
@@ -195,6 +192,7 @@ def llama_fields(config: Eagle3Config) -> dict[str, Any]:
         "num_hidden_layers": config.num_hidden_layers,
         "rope_theta": rope_theta,
         "rope_scaling": None if rope_scaling.get("rope_type") == "default" else rope_scaling,
+        **({"layer_types": config.layer_types, "sliding_window": config.sliding_window} if config.layer_types else {}),
         "tie_word_embeddings": False,
     }
 

@@ -70,11 +70,12 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
 def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
     config = checkpoint.config
     refuse_last_layer_tap(config, "the draft served by SGLang")
-    ignored = [name for name in SGLANG_IGNORES if getattr(config, name)]
-    if ignored or config.num_hidden_layers > 1:
-        settings = [f"{name}=True" for name in ignored] + (
-            [f"num_hidden_layers={config.num_hidden_layers}"] if config.num_hidden_layers > 1 else []
-        )
+    settings = [f"{name}=True" for name in SGLANG_IGNORES if getattr(config, name)]
+    if config.num_hidden_layers > 1:
+        settings.append(f"num_hidden_layers={config.num_hidden_layers}")
+    if config.layer_types is not None and "sliding_attention" in config.layer_types:
+        settings.append(f"layer_types={config.layer_types}")
+    if settings:
         raise ConversionError(
             f"The draft uses {', '.join(settings)}, which SGLang does not implement (or, for several layers, "
             "implements differently): it would serve another function. Export to speculators (vLLM) instead."

@@ -17,7 +17,7 @@ normalised feature (`a <- norm(a)`, logits `lm_head(a)`).
 
 Variants of public drafts: `norm_before_fc` normalises the whole `[l ; m ; h]` (`input_norm`) before `fc`;
 `num_hidden_layers > 1` runs plain Llama decoder layers (`extra_layers.*`, reading `x` alone) after `midlayer`, as
-vLLM does; `qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE.
+vLLM does; `layer_types` / `sliding_window` restrict `"sliding_attention"` layers to a window of recent positions; `qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE.
 
 Weight names match the official and SpecForge checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`).
 This file only imports torch, transformers and safetensors (a transformers dependency), so it also serves as the
@@ -48,6 +48,10 @@ from .configuration_eagle3 import Eagle3Config
 logger = logging.get_logger(__name__)
 
 
+def _is_sliding(config: Eagle3Config, layer_idx: int) -> bool:
+    return config.layer_types is not None and config.layer_types[layer_idx] == "sliding_attention"
+
+
 class Eagle3Attention(nn.Module):
     """Grouped-query self-attention. In the first decoder layer (`layer_idx` 0) the q / k / v projections read the
     2k-wide `[embedding ; feature]` input, in later layers the k-wide feature."""
@@ -61,6 +65,7 @@ class Eagle3Attention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+        self.sliding_window = config.sliding_window if _is_sliding(config, layer_idx) else None
         in_features, bias = (2 if layer_idx == 0 else 1) * config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(in_features, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -410,11 +415,36 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         attention_mask = _additive_mask(attention_mask, query_length, past_length, hidden_states)
 
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        windowed_mask = None
+        if self.config.sliding_window is not None:
+            if past_length == 0 and bool((position_ids[..., 0] != 0).any()):
+                raise ValueError(
+                    "Sliding-window draft layers take a key's position from its place in the cache: a sequence fed "
+                    "to an empty cache must start at position 0."
+                )
+            windowed_mask = _windowed(attention_mask, position_ids, past_length + query_length, self.config.sliding_window,
+                                      hidden_states)
         for layer in self.decoder_layers:
-            hidden_states = layer(inputs_embeds, hidden_states, position_embeddings, attention_mask, cache)
+            mask = windowed_mask if layer.self_attn.sliding_window is not None else attention_mask
+            hidden_states = layer(inputs_embeds, hidden_states, position_embeddings, mask, cache)
         hidden_states = self.output_feature(hidden_states)
         logits = self.compute_logits(hidden_states[:, -logits_to_keep:])
         return Eagle3DraftOutput(logits=logits, hidden_states=hidden_states, cache=cache)
+
+
+def _windowed(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int, window: int, like: torch.Tensor
+) -> torch.Tensor:
+    """`attention_mask` (additive, or `None` for a single query seeing every key) restricted to a sliding window.
+
+    A key's position is its index in the cache (sequences start at position 0): exact for the verified prefix, and an
+    upper bound for speculative tree entries, which all lie within the tree's depth of the query (shallower than any
+    window in use).
+    """
+    key_positions = torch.arange(key_length, device=like.device)
+    outside = key_positions[None, None, None, :] <= position_ids[:, None, :, None] - window  # [B, 1, T, K]
+    base = attention_mask if attention_mask is not None else torch.zeros((), dtype=like.dtype, device=like.device)
+    return base.masked_fill(outside, torch.finfo(like.dtype).min)
 
 
 # `from_pretrained` arguments that say where a checkpoint's files are.

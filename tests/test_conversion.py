@@ -56,6 +56,8 @@ class Fixture:
     # norm_output, qk_norm (True), and the number of decoder layers (later ones stored as `layers.{i}.`).
     options: dict = field(default_factory=dict)
     num_layers: int = 1
+    sliding_window: int | None = None  # of every layer
+    first_position: int = 3000  # of the compared forward: far out, where the RoPE base and scaling matter
 
 
 # --- fixtures, written as each project writes them -------------------------------------------------------------
@@ -237,6 +239,18 @@ def sglang_fixture(folder: Path, target_hidden: int = 48) -> Fixture:
     return Fixture(tensors, "midlayer.", draft_to_target, 1e-5, rope_frequencies(500000.0), target_hidden, [2, 6, 9])
 
 
+def speculators_settings(verifier: str, architecture: str) -> dict:
+    """`speculators_config` as speculators writes it: greedy proposals of 3 tokens, the verifier named."""
+    return {
+        "algorithm": "eagle3",
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0}
+        ],
+        "verifier": {"name_or_path": verifier, "architectures": [architecture]},
+    }
+
+
 def speculators_fixture(folder: Path) -> Fixture:
     """speculators: fp32, `layers.0.*`, HF-index ids, a layer config holding only non-default fields."""
     draft_to_target = sorted_vocabulary()
@@ -255,14 +269,7 @@ def speculators_fixture(folder: Path) -> Fixture:
             "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": [2, 6, 9],
             "embed_requires_grad": False,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [
-                    {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0}
-                ],
-                "verifier": {"name_or_path": "org/target-llama", "architectures": ["LlamaForCausalLM"]},
-            },
+            "speculators_config": speculators_settings("org/target-llama", "LlamaForCausalLM"),
             "torch_dtype": "float32",
         },
     )
@@ -400,14 +407,7 @@ def speculators_variant_fixture(
             **{name: value for name, value in options.items() if name != "qk_norm"},
             "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": [2, 6, 9],
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [
-                    {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0}
-                ],
-                "verifier": {"name_or_path": "org/target", "architectures": ["Qwen3ForCausalLM"]},
-            },
+            "speculators_config": speculators_settings("org/target", "Qwen3ForCausalLM"),
             "torch_dtype": str(dtype).removeprefix("torch."),
         },
     )
@@ -442,6 +442,13 @@ def speculators_two_layer_fixture(folder: Path) -> Fixture:
     return speculators_variant_fixture(folder, {}, num_layers=2)
 
 
+def speculators_sliding_fixture(folder: Path) -> Fixture:
+    """A speculators draft whose layer config sets `layer_types: ["sliding_attention"]` and `sliding_window` (as
+    gpt-oss drafts do; vLLM applies the window). Compared from position 0, where the cache indexes positions."""
+    fixture = speculators_variant_fixture(folder, {}, {"layer_types": ["sliding_attention"], "sliding_window": 3})
+    return Fixture(**{**fixture.__dict__, "sliding_window": 3, "first_position": 0})
+
+
 def sglang_llama4_fixture(folder: Path) -> Fixture:
     """A `llama4_text` draft layer config: SGLang's llama_eagle3 sizes the dense MLP by `intermediate_size_mlp`
     (`intermediate_size` is the MoE expert width). Reconstructed from SGLang's code."""
@@ -466,6 +473,7 @@ FIXTURES = {
     "speculators-gpt-oss": ("speculators", speculators_gpt_oss_fixture),
     "speculators-eagle3.1": ("speculators", speculators_eagle31_fixture),
     "speculators-two-layers": ("speculators", speculators_two_layer_fixture),
+    "speculators-sliding": ("speculators", speculators_sliding_fixture),
 }
 
 
@@ -503,6 +511,9 @@ def reference_forward(fixture: Fixture, embedding: torch.Tensor, input_ids, feat
         length = input_ids.shape[1]
         scores = query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM)
         scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        if fixture.sliding_window is not None:
+            apart = positions[:, None] - positions[None, :]
+            scores = scores.masked_fill(apart >= fixture.sliding_window, float("-inf"))
         attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(*input_ids.shape, HEADS * HEAD_DIM)
         return attended @ layer["self_attn.o_proj.weight"].T
 
@@ -569,7 +580,7 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, family):
         draft.attach_target_embedding(nn.Embedding.from_pretrained(embedding))
     input_ids = torch.randint(VOCAB, (2, 7), generator=generator)
     features = torch.randn(2, 7, 3 * fixture.target_hidden, generator=generator)
-    positions = torch.arange(3000, 3007)  # far out, where the RoPE base and scaling matter
+    positions = torch.arange(fixture.first_position, fixture.first_position + 7)
     with torch.no_grad():
         output = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False)
     expected, expected_feature = reference_forward(fixture, embedding, input_ids, features, positions)
@@ -751,6 +762,7 @@ SGLANG_VARIANTS = [{}, {"fc_norm": True, "norm_output": True}]
 SPECULATORS_VARIANTS = [
     *SGLANG_VARIANTS, {"norm_before_residual": True, "qk_norm": True}, {"norm_before_fc": True},
     {"num_hidden_layers": 2, "norm_before_residual": True},
+    {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64},
 ]
 ROUND_TRIPS = [("sglang", variant) for variant in SGLANG_VARIANTS] + [
     ("speculators", variant) for variant in SPECULATORS_VARIANTS
@@ -787,6 +799,7 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, variant, dt
     ({"norm_before_fc": True}, "norm_before_fc=True"),
     ({"qk_norm": True}, "qk_norm=True"),
     ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": 64}, "layer_types="),
 ])
 def test_sglang_export_refuses_what_sglang_does_not_compute(tmp_path, variant, setting):
     tiny_draft(**variant).save_pretrained(tmp_path / "hub")
@@ -938,10 +951,9 @@ UNFAITHFUL = {
     "unknown layer type": (
         speculators_fixture, lambda c: c["transformer_layer_config"].update(model_type="gemma3"), None, "'gemma3' layer"
     ),
-    "sliding-window layer": (
-        speculators_fixture,
-        lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=128),
-        None, "sliding-window attention",
+    "sliding window without its size": (
+        speculators_fixture, lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"]), None,
+        "sliding_window >= 1",
     ),
     "SGLang's extra layers": (sglang_fixture, lambda c: c.update(num_hidden_layers=2), None, "additional_layers"),
     "layer count disagrees with the weights": (

@@ -275,10 +275,12 @@ def test_eagle_3_1_options_survive_save_and_load(tmp_path):
 @pytest.mark.parametrize("variant", [
     {"norm_output": True}, {"norm_before_fc": True}, {"qk_norm": True}, {"num_hidden_layers": 3},
     {"num_hidden_layers": 2, "qk_norm": True, "norm_output": True},
+    {"num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 2},
 ], ids=lambda variant: "+".join(f"{k}={v}" for k, v in variant.items()))
 def test_public_draft_variants_compute_their_formulas(variant):
     """norm_output feeds back norm(a); norm_before_fc norms [l ; m ; h] before fc; qk_norm norms each head's query and
-    key before RoPE (Qwen3); later decoder layers are plain Llama layers over the feature (vLLM's llama_eagle3)."""
+    key before RoPE (Qwen3); later decoder layers are plain Llama layers over the feature (vLLM's llama_eagle3); a
+    sliding-window layer sees the last `sliding_window` positions."""
     draft = tiny_draft(**variant)
     draft.attach_target_embedding(tiny_target().get_input_embeddings())
     for name, parameter in draft.named_parameters():
@@ -298,7 +300,11 @@ def test_public_draft_variants_compute_their_formulas(variant):
         value = attn.v_proj(attn_input).view(shape).transpose(1, 2)
         groups = config.num_attention_heads // config.num_key_value_heads
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        scores = query @ key.transpose(-1, -2) * attn.head_dim**-0.5 + _causal(5)
+        mask = _causal(5)
+        if attn.layer_idx > 0 and config.layer_types:
+            positions_apart = torch.arange(5)[:, None] - torch.arange(5)[None, :]
+            mask = mask.masked_fill(positions_apart >= config.sliding_window, torch.finfo(torch.float32).min)
+        scores = query @ key.transpose(-1, -2) * attn.head_dim**-0.5 + mask
         return attn.o_proj((scores.softmax(-1) @ value).transpose(1, 2).reshape(1, 5, -1))
 
     with torch.no_grad():

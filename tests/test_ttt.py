@@ -76,6 +76,7 @@ def test_ttt_memory_grows_linearly_in_steps():
 DRAFT_VARIANTS = [
     {}, {"fc_norm": True}, {"norm_before_residual": True}, {"fc_norm": True, "norm_before_residual": True},
     {"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}, {"qk_norm": True}, {"num_hidden_layers": 2},
+    {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
 ]
 
 

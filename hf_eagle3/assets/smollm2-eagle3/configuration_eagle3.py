@@ -84,6 +84,12 @@ class Eagle3Config(PreTrainedConfig):
             Number of decoder layers. The first (`midlayer`) reads the embedding and the feature; the others
             (`extra_layers.*`) are plain Llama decoder layers over the feature, as vLLM, speculators and ModelOpt run
             them.
+        layer_types (`list[str]`, *optional*):
+            Attention of each decoder layer, `"full_attention"` or `"sliding_attention"` (speculators / vLLM
+            `layer_types`). Defaults to full attention in every layer.
+        sliding_window (`int`, *optional*):
+            Window of the `"sliding_attention"` layers: a query at position `p` sees the keys at positions
+            `p - sliding_window + 1 .. p`.
         qk_norm (`bool`, *optional*, defaults to `False`):
             Qwen3's per-head RMSNorm (`self_attn.q_norm` / `k_norm`, width `head_dim`) on queries and keys before
             RoPE, in every decoder layer (speculators drafts whose layer config is `qwen3`).
@@ -150,6 +156,8 @@ class Eagle3Config(PreTrainedConfig):
     norm_output: bool = False
     norm_before_fc: bool = False
     num_hidden_layers: int = 1
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     qk_norm: bool = False
     share_target_embedding: bool = True
     tree_depth: int = 6
@@ -232,6 +240,8 @@ class Eagle3Config(PreTrainedConfig):
                     f"{row}"
                 )
                 break
+        if "sliding_attention" in (self.layer_types or []) and not (self.sliding_window or 0) >= 1:
+            problems.append(f"sliding_attention layers need a sliding_window >= 1, got {self.sliding_window}")
         if self.fc_norm and self.norm_before_fc:
             problems.append("fc_norm and norm_before_fc are exclusive (one norms each target state, one all three)")
         if self.converted_from is not None and (
