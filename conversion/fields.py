@@ -207,6 +207,9 @@ CARRIED_FIELDS = (
     "tree_top_k",
     "tree_total_tokens",
     "tree_shape",
+    "ngram_candidates",
+    "ngram_max_match",
+    "ngram_max_tokens",
     "acceptance_profile",
     "converted_from",
 )

@@ -107,11 +107,23 @@ class Eagle3Config(PreTrainedConfig):
             predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
             cached; see `hf_eagle3.calibration`), or plainly (without running the draft) when no shape is predicted
             to beat plain decoding. Passing any tree setting to `generate` decodes with that fixed shape.
+        ngram_candidates (`bool`, *optional*, defaults to `False`):
+            Merge a context n-gram continuation into every draft tree (`hf_eagle3.ngram`): the tokens that followed
+            the latest occurrence of the last `ngram_max_match` (or fewer) tokens in the prompt and the text generated
+            so far, ranked against the draft's own candidates by an acceptance rate learnt during the call, within the
+            same `tree_total_tokens` budget. Lossless like the draft's candidates. `generate(ngram_candidates=...)`
+            overrides it per call.
+        ngram_max_match (`int`, *optional*, defaults to 3):
+            Longest suffix of the text matched for the context continuation.
+        ngram_max_tokens (`int`, *optional*, defaults to 10):
+            Most tokens of one context continuation (transformers' `prompt_lookup_num_tokens`).
         acceptance_profile (`list[dict]`, *optional*):
             τ (tokens per target forward) of tree shapes for this draft and its target, one
             `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}` row per shape, estimated from greedy decoding of
-            calibration prompts (`hf-eagle3 tune-tree --save-to`). It does not depend on the hardware; `tree_shape=
-            "auto"` combines it with the machine's measured costs.
+            calibration prompts (`hf-eagle3 tune-tree --save-to`); rows with `"ngram_candidates": true` were measured
+            with context n-gram candidates in the tree. It does not depend on the hardware; `tree_shape="auto"`
+            combines the rows of the call's `ngram_candidates` setting (else those without) with the machine's
+            measured costs.
         converted_from (`dict`, *optional*):
             Set by `hf-eagle3 convert` (and by `from_pretrained` on a foreign checkpoint) when the draft was converted
             from another project's format: `{"format": ..., "notes": [...]}`, the notes stating every reading chosen
@@ -164,6 +176,9 @@ class Eagle3Config(PreTrainedConfig):
     tree_top_k: int = 8
     tree_total_tokens: int = 60
     tree_shape: str = "fixed"
+    ngram_candidates: bool = False
+    ngram_max_match: int = 3
+    ngram_max_tokens: int = 10
     acceptance_profile: list[dict] | None = None
     converted_from: dict | None = None
     tie_word_embeddings: bool = False
@@ -224,7 +239,7 @@ class Eagle3Config(PreTrainedConfig):
                 problems.append(f"target_layer_ids must be non-negative, got {self.target_layer_ids}")
             if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
                 problems.append(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
-        for name in ("tree_depth", "tree_top_k", "tree_total_tokens"):
+        for name in ("tree_depth", "tree_top_k", "tree_total_tokens", "ngram_max_match", "ngram_max_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tree_shape not in ("fixed", "auto"):
@@ -234,10 +249,11 @@ class Eagle3Config(PreTrainedConfig):
                 "tree_shape='auto' needs an acceptance_profile (record one with `hf-eagle3 tune-tree --save-to`)"
             )
         for row in self.acceptance_profile or []:
-            if set(row) != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
+            shape_keys = set(row) - {"ngram_candidates"}
+            if shape_keys != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
                 problems.append(
-                    "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1}, got "
-                    f"{row}"
+                    "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1} and "
+                    f"optionally ngram_candidates, got {row}"
                 )
                 break
         if "sliding_attention" in (self.layer_types or []) and not (self.sliding_window or 0) >= 1:
