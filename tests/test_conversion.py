@@ -1063,6 +1063,18 @@ def test_cli_reads_the_target_config(tmp_path, capsys, only_our_commands):
         cli.main(["convert", str(source), str(tmp_path / "out2"), "--target-config", str(target_config)])
 
 
+def test_cli_picks_the_yarn_reading_and_prints_the_notes(tmp_path, capsys, only_our_commands):
+    (tmp_path / "src").mkdir()
+    sglang_fixture(tmp_path / "src")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 1.0}
+    _rewrite(tmp_path / "src", lambda config: config.update(rope_scaling=yarn))
+
+    cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--yarn-mscale", "serving"])
+
+    assert "note: YaRN mscale dropped (yarn_mscale='serving')" in capsys.readouterr().out
+    assert "mscale" not in json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+
+
 def test_non_finite_weights_are_refused(tmp_path):
     draft = tiny_draft()
     with torch.no_grad():
