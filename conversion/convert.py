@@ -19,6 +19,10 @@ FORMATS: dict[str, CheckpointFormat] = {
     for checkpoint_format in (hub.FORMAT, official.FORMAT, sglang.FORMAT, speculators.FORMAT, modelopt.FORMAT)
 }
 STAGING_PREFIX = ".hf-eagle3-convert-"
+# Formats a checkpoint detected as the key may be read as on request, because they read its files alike: a
+# `LlamaForCausalLM` draft with `midlayer.*` weights that another project trained (e.g. with YaRN RoPE, which the
+# official code lacks) is served by SGLang and vLLM with its config read as written.
+READABLE_AS = {"official": ("sglang",)}
 EXPORT_FORMATS = tuple(name for name, checkpoint_format in FORMATS.items() if checkpoint_format.write is not None)
 
 
@@ -36,7 +40,8 @@ def read_checkpoint(
     """
     files = load_source(_local_folder(source))
     candidates = [name for name, checkpoint_format in FORMATS.items() if checkpoint_format.detect(files)]
-    if format_name is not None and format_name not in candidates and candidates:
+    readable = {*candidates, *(alias for name in candidates for alias in READABLE_AS.get(name, ()))}
+    if format_name is not None and format_name not in readable and candidates:
         # Read as another format, the same config keys mean other things (layer numbering, defaults): refuse.
         raise ConversionError(
             f"{source} is a {' or '.join(candidates)} checkpoint, not {format_name} "

@@ -31,8 +31,8 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConversionError(
             f"The config asks for RoPE scaling {rope_type!r}, which the official EAGLE-3 code does not implement "
-            f"(only {', '.join(SUPPORTED_ROPE_TYPES)}), so it did not train this draft. Pass the --from format of "
-            "the project that did."
+            f"(only {', '.join(SUPPORTED_ROPE_TYPES)}), so it did not train this draft. If the project that did serves "
+            "it with SGLang or vLLM (which read the config as written), convert with --from sglang."
         )
     tensors = dict(source.tensors)
     own_head(source.config, tensors, notes)

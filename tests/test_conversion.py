@@ -640,6 +640,23 @@ def test_older_modelopt_export_with_midlayer_names_is_still_modelopt(tmp_path):
     assert detected == "modelopt" and checkpoint.config.target_layer_ids == [2, 6, 9]
 
 
+def test_a_llama_draft_with_rope_the_official_code_lacks_reads_as_sglang_on_request(tmp_path):
+    """nebius/EAGLE3-gpt-oss-20b as public loaders describe it: a `LlamaForCausalLM` config with `midlayer.*` weights,
+    `truncated_vocab_size` beside `draft_vocab_size` and YaRN RoPE, which the official code lacks."""
+    official_fixture(tmp_path)
+    yarn = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "rope_type": "yarn", "truncate": False}
+    _rewrite(tmp_path, lambda config: config.update(rope_theta=150000, rope_scaling=yarn,
+                                                    truncated_vocab_size=DRAFT_VOCAB, num_hidden_layers=1))
+    with pytest.raises(ConversionError, match="'yarn'.*convert with --from sglang"):
+        convert(tmp_path, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    checkpoint, detected = convert(
+        tmp_path, tmp_path / "out", from_format="sglang", target=TargetInfo(num_hidden_layers=TARGET_LAYERS)
+    )
+    assert detected == "sglang" and checkpoint.config.target_layer_ids == DEFAULT_TAPS
+    assert checkpoint.config.rope_parameters == {"rope_theta": 150000, **yarn}
+
+
 def test_speculators_records_target_and_speculative_tokens(tmp_path):
     speculators_fixture(tmp_path)
     checkpoint, _ = convert(tmp_path, tmp_path / "hub")
