@@ -459,6 +459,20 @@ def sglang_llama4_fixture(folder: Path) -> Fixture:
     return fixture
 
 
+def sglang_sharded_fixture(folder: Path) -> Fixture:
+    """The SpecForge draft saved in two safetensors shards with a `model.safetensors.index.json`, as
+    `save_pretrained(max_shard_size=...)` writes large drafts."""
+    fixture = sglang_fixture(folder)
+    (folder / "model.safetensors").unlink()
+    names = sorted(fixture.tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        save_file({name: fixture.tensors[name] for name in shard_names}, folder / shard, metadata={"format": "pt"})
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
+    return fixture
+
+
 # family -> (format it is detected as, fixture)
 FIXTURES = {
     "official": ("official", official_fixture),
@@ -474,6 +488,7 @@ FIXTURES = {
     "speculators-eagle3.1": ("speculators", speculators_eagle31_fixture),
     "speculators-two-layers": ("speculators", speculators_two_layer_fixture),
     "speculators-sliding": ("speculators", speculators_sliding_fixture),
+    "specforge-sharded": ("sglang", sglang_sharded_fixture),
 }
 
 
@@ -996,6 +1011,17 @@ def test_unfaithful_conversion_is_refused(tmp_path, write_fixture, mutate_config
     _rewrite(source, mutate_config, extra_tensors)
     with pytest.raises(ConversionError, match=message):
         convert(source, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_using_the_targets_lm_head_is_refused(tmp_path):
+    """ModelOpt's gpt-oss-120b draft has no lm_head of its own (nor d2t): it reuses the target's."""
+    fixture = modelopt_fixture(tmp_path)
+    tensors = {name: t for name, t in fixture.tensors.items() if name not in ("lm_head.weight", "d2t")}
+    save_file(tensors, tmp_path / "model.safetensors")
+    _rewrite(tmp_path, lambda config: config.update(draft_vocab_size=VOCAB))
+    with pytest.raises(ConversionError, match="no lm_head.weight: the draft's head is the target's lm_head"):
+        convert(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
