@@ -1,10 +1,11 @@
 """NVIDIA ModelOpt EAGLE-3 exports (`nvidia/*-Eagle3`); import only.
 
-Weights: `layers.{i}.*` (older exports: `midlayer.*`; layers after the first are plain Llama layers), `fc`, `norm`, `lm_head`, an optional `d2t` listing the draft
-vocabulary by token frequency (offsets may be negative) and no `t2d`. The reader sorts that vocabulary into
-ascending target ids together with the rows of `lm_head`, which is exact. The config is a Llama config (the target's
-RoPE settings included) with `eagle_config.eagle_aux_hidden_state_layer_ids` numbered as outputs of target layers,
-possibly unsorted; the draft concatenates the taps in layer order whatever the listing order.
+Weights: `layers.{i}.*` (older exports: `midlayer.*`; layers after the first are plain Llama layers), `fc`, `norm`,
+`lm_head`, an optional `d2t` listing the draft vocabulary by token frequency (offsets may be negative) and no `t2d`.
+The reader sorts that vocabulary into ascending target ids together with the rows of `lm_head`, which is exact. The
+config is a Llama config (the target's RoPE settings included) with `eagle_config.eagle_aux_hidden_state_layer_ids`
+numbered as outputs of target layers, possibly unsorted; the draft concatenates the taps in layer order whatever the
+listing order.
 """
 
 from .checkpoint import CheckpointFormat, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo

@@ -4,7 +4,10 @@ Weights use our names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, opti
 safetensors. The config is a Llama config plus `draft_vocab_size`, `target_hidden_size` and
 `eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as *outputs* of target layers (or a top-level
 `eagle_aux_hidden_state_layer_ids` in `hidden_states` indices, which vLLM reads). AngelSlim writes the same files
-under vLLM's architecture name `Eagle3LlamaForCausalLM`, without layer ids. SGLang ignores `t2d`,
+under vLLM's architecture name `Eagle3LlamaForCausalLM`, without layer ids. EAGLE 3.1 drafts set `fc_norm` (weights
+`fc_norm.{0,1,2}`) and `norm_output` (SpecForge's current meaning: the state fed back is taken after the final norm);
+`norm_before_residual` / `norm_before_fc` are read as vLLM reads them in this format (SGLang ignores them). Only one
+decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`,
 silently skips unknown weights and always replaces the draft's embedding with the target's, so the export writes
 exactly the weights SGLang uses and refuses a draft with an embedding of its own. What SGLang has no key for (the
 target's id and layer count, the draft tree settings) is kept under `hf_eagle3`, which SGLang ignores.
@@ -62,6 +65,9 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
         )
     fields = draft_fields("sglang", source.config, source.config, options) | option_fields(source.config)
     fields["target_layer_ids"] = target_layer_ids(source.config)
+    for name in ("norm_before_residual", "norm_before_fc"):
+        if fields.get(name):
+            fields["converted_from"]["notes"].append(f"{name}=true read as vLLM serves it; SGLang ignores it.")
     own_head(source.config, source.tensors, fields["converted_from"]["notes"])
     fields.update(restored_fields(source.config))
     return DraftCheckpoint.build(fields, source.tensors, target)

@@ -17,7 +17,8 @@ normalised feature (`a <- norm(a)`, logits `lm_head(a)`).
 
 Variants of public drafts: `norm_before_fc` normalises the whole `[l ; m ; h]` (`input_norm`) before `fc`;
 `num_hidden_layers > 1` runs plain Llama decoder layers (`extra_layers.*`, reading `x` alone) after `midlayer`, as
-vLLM does; `layer_types` / `sliding_window` restrict `"sliding_attention"` layers to a window of recent positions; `qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE.
+vLLM does; `layer_types` / `sliding_window` restrict `"sliding_attention"` layers to a window of recent positions;
+`qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE.
 
 Weight names match the official and SpecForge checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`).
 This file only imports torch, transformers and safetensors (a transformers dependency), so it also serves as the
@@ -422,8 +423,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                     "Sliding-window draft layers take a key's position from its place in the cache: a sequence fed "
                     "to an empty cache must start at position 0."
                 )
-            windowed_mask = _windowed(attention_mask, position_ids, past_length + query_length, self.config.sliding_window,
-                                      hidden_states)
+            windowed_mask = _windowed(
+                attention_mask, position_ids, past_length + query_length, self.config.sliding_window, hidden_states
+            )
         for layer in self.decoder_layers:
             mask = windowed_mask if layer.self_attn.sliding_window is not None else attention_mask
             hidden_states = layer(inputs_embeds, hidden_states, position_embeddings, mask, cache)

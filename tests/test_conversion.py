@@ -90,7 +90,7 @@ def eagle3_weights(
             "input_layernorm.weight": norm(),
             "post_attention_layernorm.weight": norm(),
             **({"hidden_norm.weight": norm()} if index == 0 else {}),
-            **({"self_attn.q_norm.weight": norm(HEAD_DIM), "self_attn.k_norm.weight": norm(HEAD_DIM)} if qk_norm else {}),
+            **({f"self_attn.{name}.weight": norm(HEAD_DIM) for name in ("q_norm", "k_norm")} if qk_norm else {}),
         }
         prefix = layer_prefix if index == 0 else f"layers.{index}."
         return {prefix + name: tensor for name, tensor in weights.items()}
@@ -538,14 +538,16 @@ def reference_forward(fixture: Fixture, embedding: torch.Tensor, input_ids, feat
         return x + gate @ layer["mlp.down_proj.weight"].T
 
     if options.get("fc_norm"):
-        features = torch.cat([rms_norm(c, weights[f"fc_norm.{i}.weight"]) for i, c in enumerate(features.chunk(3, -1))], -1)
+        captures = features.chunk(3, dim=-1)
+        features = torch.cat([rms_norm(c, weights[f"fc_norm.{i}.weight"]) for i, c in enumerate(captures)], -1)
     if options.get("norm_before_fc"):
         features = rms_norm(features, weights["input_norm.weight"])
     fused = features @ weights["fc.weight"].T
     layer = layer_weights(fixture.layer_prefix)
     normed = rms_norm(fused, layer["hidden_norm.weight"])
     residual = normed if options.get("norm_before_residual") else fused
-    hidden = residual + attention(layer, torch.cat([rms_norm(embedding[input_ids], layer["input_layernorm.weight"]), normed], -1))
+    embedded = rms_norm(embedding[input_ids], layer["input_layernorm.weight"])
+    hidden = residual + attention(layer, torch.cat([embedded, normed], -1))
     hidden = mlp(layer, hidden)
     for index in range(1, fixture.num_layers):  # vLLM: plain Llama layers over the feature
         layer = layer_weights(f"layers.{index}.")
@@ -691,7 +693,7 @@ def test_readings_where_engines_differ_are_recorded(tmp_path):
 
 def test_top_level_layer_ids_are_read_as_vllm_reads_them(tmp_path):
     sglang_fixture(tmp_path)
-    _rewrite(tmp_path, lambda config: (config.pop("eagle_config"), config.update(eagle_aux_hidden_state_layer_ids=[9, 2, 6])))
+    _rewrite(tmp_path, lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[9, 2, 6])))
     checkpoint, _ = convert(tmp_path, tmp_path / "hub")
     assert checkpoint.config.target_layer_ids == [2, 6, 9]  # hidden_states indices, unlike eagle_config's
 
