@@ -256,7 +256,8 @@ def _check_tensors(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> No
 
 
 def _canonical_vocabulary(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`d2t`, `t2d` and `lm_head.weight` with the draft vocabulary in ascending target-id order."""
+    """`d2t`, `t2d` and `lm_head.weight` (unless the target's is used) with the draft vocabulary in ascending
+    target-id order."""
     vocab_size, draft_vocab_size = config.vocab_size, config.draft_vocab_size
     draft_ids = torch.arange(draft_vocab_size)
     d2t = tensors.get("d2t")
@@ -279,9 +280,9 @@ def _canonical_vocabulary(config: Eagle3Config, tensors: dict[str, torch.Tensor]
 
     order = torch.argsort(target_ids)
     target_ids = target_ids[order]
-    lm_head = tensors["lm_head.weight"]
-    if not torch.equal(order, draft_ids):
-        lm_head = lm_head[order].contiguous()
+    head = {} if config.share_target_lm_head else {"lm_head.weight": tensors["lm_head.weight"]}
+    if head and not torch.equal(order, draft_ids):
+        head["lm_head.weight"] = head["lm_head.weight"][order].contiguous()
 
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[target_ids] = True
@@ -292,4 +293,4 @@ def _canonical_vocabulary(config: Eagle3Config, tensors: dict[str, torch.Tensor]
         )
     if recorded_t2d is not None and not torch.equal(recorded_t2d, t2d):
         raise ConversionError("t2d and d2t disagree about which target tokens the draft predicts.")
-    return {"d2t": target_ids - draft_ids, "t2d": t2d, "lm_head.weight": lm_head}
+    return {"d2t": target_ids - draft_ids, "t2d": t2d, **head}

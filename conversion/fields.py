@@ -159,27 +159,36 @@ def target_layer_ids(config: dict[str, Any]) -> list[int] | None:
     return top_level or nested
 
 
-def own_head(settings: dict[str, Any], tensors: dict[str, torch.Tensor], notes: list[str]) -> None:
-    """Check the draft's head the same way for every format: the checkpoint's own `lm_head` is used.
+def head_fields(fields: dict[str, Any], settings: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Read the draft's head the same way for every format; return the `Eagle3Config` fields it sets.
 
     Drafts (AngelSlim's among them) may carry `tie_word_embeddings: true` from their target's config while saving a
-    separate `lm_head.weight` over the draft vocabulary, which is what their trainer computed and what vLLM serves.
-    Without `lm_head.weight` the head is the target's (ModelOpt's gpt-oss-120b drafts, SGLang's
-    `load_lm_head_from_target`) or the token embedding, which this draft does not implement.
+    separate `lm_head.weight` over the draft vocabulary, which is what their trainer computed and what vLLM serves:
+    the checkpoint's own head is used. Without `lm_head.weight`, a draft over the whole vocabulary uses the target's
+    lm_head (ModelOpt's gpt-oss-120b drafts, SGLang's `load_lm_head_from_target`); the token embedding as a head
+    (`tie_word_embeddings` without `lm_head.weight`) is not implemented.
     """
     tied = bool(settings.get("tie_word_embeddings"))
+    notes = fields["converted_from"]["notes"]
     if "lm_head.weight" not in tensors:
+        identity = "d2t" not in tensors or not bool(tensors["d2t"].any())
+        if not tied and fields["draft_vocab_size"] in (None, fields["vocab_size"]) and identity:
+            notes.append("no lm_head.weight: the draft uses the target's lm_head (share_target_lm_head).")
+            return {"share_target_lm_head": True}
         raise ConversionError(
             ("The config sets tie_word_embeddings=true and the checkpoint" if tied else "The checkpoint")
-            + " has no lm_head.weight: the draft's head is the target's lm_head or token embedding, which "
+            + " has no lm_head.weight"
+            + ("" if tied else " but a reduced draft vocabulary")
+            + ": the draft's head would be the token embedding or a part of the target's lm_head, which "
             "Eagle3DraftModel does not implement, so it is refused."
         )
     if not tied:
-        return
+        return {}
     notes.append(
         "tie_word_embeddings=true ignored: the checkpoint has its own lm_head.weight, which its trainer used and "
         "vLLM serves (SGLang would alias lm_head to the token embedding instead)."
     )
+    return {}
 
 
 def llama_fields(config: Eagle3Config) -> dict[str, Any]:

@@ -9,7 +9,7 @@ listing order.
 """
 
 from .checkpoint import CheckpointFormat, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
-from .fields import draft_fields, layer_count, layers_renamed, own_head, refuse_unfaithful, target_layer_ids
+from .fields import draft_fields, head_fields, layer_count, layers_renamed, refuse_unfaithful, target_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name, which ModelOpt exports reuse
 
@@ -36,7 +36,7 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
     refuse_unfaithful("ModelOpt", eagle_config, UNFAITHFUL_SETTINGS)
     fields = draft_fields("modelopt", source.config, source.config, options)
     fields["target_layer_ids"] = target_layer_ids(source.config)
-    own_head(source.config, source.tensors, fields["converted_from"]["notes"])
+    fields.update(head_fields(fields, source.config, source.tensors))
     fields["num_hidden_layers"] = layer_count(source.tensors, "layers.", source.config.get("num_hidden_layers"))
     return DraftCheckpoint.build(fields, layers_renamed(source.tensors, "layers."), target)
 

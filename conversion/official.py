@@ -10,7 +10,7 @@ store an all-zero `t2d`), and so does this reader.
 """
 
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
-from .fields import draft_fields, own_head
+from .fields import draft_fields, head_fields
 
 # The official code builds only these rotary embeddings and raises on any other `rope_scaling` type.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic")
@@ -35,7 +35,7 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
             "it with SGLang or vLLM (which read the config as written), convert with --from sglang."
         )
     tensors = dict(source.tensors)
-    own_head(source.config, tensors, notes)
+    fields.update(head_fields(fields, source.config, tensors))
     if fields["draft_vocab_size"] in (None, fields["vocab_size"]) and any(
         [tensors.pop(name, None) is not None for name in ("d2t", "t2d")]
     ):

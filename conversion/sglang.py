@@ -20,6 +20,7 @@ from .fields import (
     carried_fields,
     draft_fields,
     dtype_name,
+    head_fields,
     llama_fields,
     option_fields,
     output_of_layer_ids,
@@ -27,7 +28,6 @@ from .fields import (
     refuse_unfaithful,
     restored_fields,
     target_layer_ids,
-    own_head,
 )
 from .files import write_checkpoint_files
 from .modelopt import MODELOPT_EAGLE_CONFIG_KEYS
@@ -68,7 +68,7 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
     for name in ("norm_before_residual", "norm_before_fc"):
         if fields.get(name):
             fields["converted_from"]["notes"].append(f"{name}=true read as vLLM serves it; SGLang ignores it.")
-    own_head(source.config, source.tensors, fields["converted_from"]["notes"])
+    fields.update(head_fields(fields, source.config, source.tensors))
     fields.update(restored_fields(source.config))
     return DraftCheckpoint.build(fields, source.tensors, target)
 
@@ -96,7 +96,8 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         **llama_fields(config),
-        "draft_vocab_size": config.draft_vocab_size,
+        # SGLang takes a missing draft vocabulary to mean the target's lm_head (`load_lm_head_from_target`).
+        "draft_vocab_size": None if config.share_target_lm_head else config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "fc_norm": config.fc_norm,
         "norm_output": config.norm_output,

@@ -15,16 +15,16 @@ from pathlib import Path
 
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
 from .fields import (
+    OPTION_FIELDS,
     carried_fields,
     draft_fields,
     dtype_name,
+    head_fields,
     layer_count,
     layers_named,
     layers_renamed,
     llama_fields,
-    OPTION_FIELDS,
     option_fields,
-    own_head,
     refuse_last_layer_tap,
     restored_fields,
 )
@@ -49,7 +49,7 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
         )
     speculators_config = config.get("speculators_config") or {}
     fields = draft_fields("speculators", layer_config, config, options) | option_fields(config)
-    own_head({**layer_config, **config}, source.tensors, fields["converted_from"]["notes"])
+    fields.update(head_fields(fields, {**layer_config, **config}, source.tensors))
     fields["num_hidden_layers"] = layer_count(source.tensors, LAYER_PREFIX, layer_config.get("num_hidden_layers"))
     fields["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
     fields["target_name_or_path"] = (speculators_config.get("verifier") or {}).get("name_or_path") or None
@@ -63,6 +63,11 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
 def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
     config = checkpoint.config
     refuse_last_layer_tap(config, "the draft served by vLLM")
+    if config.share_target_lm_head:
+        raise ConversionError(
+            "The draft uses the target's lm_head (share_target_lm_head=True), which speculators drafts cannot say: "
+            "vLLM would build an lm_head of its own and find no weights for it. Export to sglang instead."
+        )
     speculators_config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",

@@ -214,8 +214,7 @@ def measure_costs(
 ) -> MachineCosts:
     """Measure, on this machine, everything `predict` needs for the shapes of `profile` (about ten seconds for
     SmolLM2-135M on two CPU cores)."""
-    if draft.config.share_target_embedding and not getattr(draft, "_target_embedding_attached", False):
-        draft.attach_target_embedding(target.get_input_embeddings())
+    draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
     sizes = sorted({1} | {shape.total_tokens + 1 for shape in shapes})
     verify = verification_cost(target, sizes, prefix_length, repetitions, draft.config.target_layer_ids)

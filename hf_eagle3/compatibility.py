@@ -76,6 +76,12 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> 
             f"the target's input embedding has shape {tuple(embedding.weight.shape)}, the draft shares it and "
             f"needs {expected}"
         )
+    head = target.get_output_embeddings()
+    if draft_config.share_target_lm_head and (head is None or tuple(head.weight.shape) != expected):
+        problems.append(
+            f"the target's lm_head has shape {None if head is None else tuple(head.weight.shape)}, the draft shares "
+            f"it and needs {expected}"
+        )
     if problems:
         raise ValueError(
             "This EAGLE-3 draft does not fit the target model: " + "; ".join(problems) + ". Use a draft trained "

@@ -303,8 +303,7 @@ def eagle3_decoding(
     _check_supported(model, draft, input_ids, generation_config, model_kwargs)
     exact = bool(_call_settings.get().get("exact_attention", False))
     attention = _TargetAttention(model, exact, model_kwargs.get("attention_mask"))
-    if draft.config.share_target_embedding and draft.embed_tokens.weight is not model.get_input_embeddings().weight:
-        draft.attach_target_embedding(model.get_input_embeddings())
+    draft.attach_target(model)
     settings = _tree_settings(draft)
     use_continuations = bool(_call_settings.get().get("ngram_candidates", draft.config.ngram_candidates))
     max_match, max_continuation = draft.config.ngram_max_match, draft.config.ngram_max_tokens

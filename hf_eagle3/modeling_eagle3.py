@@ -18,7 +18,8 @@ normalised feature (`a <- norm(a)`, logits `lm_head(a)`).
 Variants of public drafts: `norm_before_fc` normalises the whole `[l ; m ; h]` (`input_norm`) before `fc`;
 `num_hidden_layers > 1` runs plain Llama decoder layers (`extra_layers.*`, reading `x` alone) after `midlayer`, as
 vLLM does; `layer_types` / `sliding_window` restrict `"sliding_attention"` layers to a window of recent positions;
-`qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE.
+`qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE; `share_target_lm_head` takes the target's
+`lm_head` (attached like the shared embedding) as the draft's head.
 
 Weight names match the official and SpecForge checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`).
 This file only imports torch, transformers and safetensors (a transformers dependency), so it also serves as the
@@ -226,9 +227,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.post_init()
         self.generation_stats = None  # what the last EAGLE-3 `generate` call did (`Eagle3GenerationStats`)
         self._target_embedding_attached = not config.share_target_embedding
-        if config.share_target_embedding:  # the target's embedding: neither saved nor expected in checkpoints
-            self._keys_to_ignore_on_save = {"embed_tokens.weight"}
-            self._keys_to_ignore_on_load_missing = {r"^embed_tokens\.weight$"}
+        self._target_lm_head_attached = not config.share_target_lm_head
+        shared = self._shared_module_names()
+        if shared:  # the target's modules: neither saved nor expected in checkpoints
+            self._keys_to_ignore_on_save = {f"{name}.weight" for name in shared}
+            self._keys_to_ignore_on_load_missing = {rf"^{name}\.weight$" for name in shared}
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -253,9 +256,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 f"The weights of the draft at {source!r} cannot be read ({error}): the file is truncated or damaged. "
                 "Download or save the draft again."
             ) from error
-        missing = set(loading_info["missing_keys"])
-        if model.config.share_target_embedding:
-            missing.discard("embed_tokens.weight")
+        missing = set(loading_info["missing_keys"]) - {f"{name}.weight" for name in model._shared_module_names()}
         mismatched = loading_info.get("mismatched_keys") or []
         if missing or mismatched:
             raise ValueError(
@@ -283,27 +284,34 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             raise ImportError("Pushing an EAGLE-3 draft with its model card needs `pip install hf-eagle3`.") from error
         return push_draft(self, repo_id, **kwargs)
 
-    def _shares_attached_embedding(self) -> bool:
-        return self.config.share_target_embedding and getattr(self, "_target_embedding_attached", False)
+    def _shared_module_names(self) -> list[str]:
+        """The draft's modules that are the target's (`embed_tokens`, `lm_head`), as its config says."""
+        return [name for name, shared in (("embed_tokens", self.config.share_target_embedding),
+                                          ("lm_head", self.config.share_target_lm_head)) if shared]
+
+    def _attached_module_names(self) -> list[str]:
+        attached = {"embed_tokens": getattr(self, "_target_embedding_attached", False),
+                    "lm_head": getattr(self, "_target_lm_head_attached", False)}
+        return [name for name in self._shared_module_names() if attached[name]]
 
     def _apply(self, fn, recurse=True):
-        """`to()`, `half()`, `cuda()`... convert the draft's own tensors, never the target's attached embedding."""
-        if not self._shares_attached_embedding():
+        """`to()`, `half()`, `cuda()`... convert the draft's own tensors, never the target's attached modules."""
+        attached = self._attached_module_names()
+        if not attached:
             return super()._apply(fn, recurse)
         modules = self._modules
-        self._modules = {name: module for name, module in modules.items() if name != "embed_tokens"}
+        self._modules = {name: module for name, module in modules.items() if name not in attached}
         try:
             return super()._apply(fn, recurse)
         finally:
             self._modules = modules
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """The draft's own parameters: an attached target embedding is the target's, not the draft's (so
+        """The draft's own parameters: an attached target embedding or lm_head is the target's, not the draft's (so
         `draft.dtype`, `draft.parameters()` and `draft.requires_grad_()` leave it alone)."""
-        shared = f"{prefix}.embed_tokens.weight" if prefix else "embed_tokens.weight"
-        hide = self._shares_attached_embedding()
+        hidden = {f"{prefix}.{name}.weight" if prefix else f"{name}.weight" for name in self._attached_module_names()}
         for name, parameter in super().named_parameters(prefix, recurse, remove_duplicate):
-            if not (hide and name == shared):
+            if name not in hidden:
                 yield name, parameter
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -322,6 +330,37 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             )
         self.embed_tokens.weight = embedding.weight
         self._target_embedding_attached = True
+
+    def attach_target_lm_head(self, lm_head: nn.Linear) -> None:
+        """Share `lm_head` (the target's output layer) as the draft's head (`share_target_lm_head`); nothing is
+        copied."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(lm_head.weight.shape) != expected or getattr(lm_head, "bias", None) is not None:
+            raise ValueError(
+                f"The target's lm_head has shape {tuple(lm_head.weight.shape)}"
+                f"{' and a bias' if getattr(lm_head, 'bias', None) is not None else ''}; the draft expects {expected} "
+                "(vocab_size, hidden_size) without bias. This draft was not made for this target."
+            )
+        self.lm_head.weight = lm_head.weight
+        self._target_lm_head_attached = True
+
+    def attach_target(self, target: PreTrainedModel) -> None:
+        """Share the target's modules the draft's config says it shares (input embedding, lm_head); nothing is
+        copied, and what is attached already stays."""
+        if self.config.share_target_embedding and self.embed_tokens.weight is not target.get_input_embeddings().weight:
+            self.attach_target_embedding(target.get_input_embeddings())
+        if self.config.share_target_lm_head and self.lm_head.weight is not target.get_output_embeddings().weight:
+            self.attach_target_lm_head(target.get_output_embeddings())
+
+    def check_target_attached(self) -> None:
+        """Raise unless the target's modules this draft shares are attached."""
+        missing = [name for name in self._shared_module_names() if name not in self._attached_module_names()]
+        if missing:
+            what = " and ".join({"embed_tokens": "token embedding", "lm_head": "lm_head"}[name] for name in missing)
+            raise RuntimeError(
+                f"This draft shares the target's {what}, which is not attached yet: call `draft.attach_target(target)`"
+                ", or pass the draft to `target.generate(..., assistant_model=draft)`, which attaches it."
+            )
 
     def set_draft_vocabulary(self, target_token_ids: torch.Tensor) -> None:
         """Set the reduced vocabulary from the `draft_vocab_size` distinct target ids it predicts (any order)."""
@@ -391,12 +430,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             logits_to_keep (`int`, *optional*, defaults to 0):
                 Compute logits for the last `logits_to_keep` positions only (0: all).
         """
-        if not self._target_embedding_attached:
-            raise RuntimeError(
-                "This draft shares the target's token embedding, which is not attached yet: call "
-                "`draft.attach_target_embedding(target.get_input_embeddings())`, or pass the draft to "
-                "`target.generate(..., assistant_model=draft)`, which attaches it."
-            )
+        self.check_target_attached()
         hidden_states = hidden_states.to(self.fc.weight.dtype)  # target features may come in the target's dtype
         width = hidden_states.shape[-1]
         if width == 3 * self.config.target_hidden_size:

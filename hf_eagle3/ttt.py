@@ -129,6 +129,7 @@ class TrainingTimeTest(nn.Module):
         states at `target_layer_ids` concatenated. Row `i` of step `s` is the draft's prediction of `t_{i+s+2}`.
         """
         draft = self.draft
+        draft.check_target_attached()  # a head or embedding still the draft's random one would train silently
         layers = draft.decoder_layers
         batch_size, length = input_ids.shape
         tokens = shift_left(input_ids)  # t_{i+1}

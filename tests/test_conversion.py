@@ -473,6 +473,18 @@ def sglang_sharded_fixture(folder: Path) -> Fixture:
     return fixture
 
 
+def modelopt_target_head_fixture(folder: Path) -> Fixture:
+    """ModelOpt's gpt-oss-120b draft as the issue describes it: no lm_head (the target's is used), no d2t, the whole
+    vocabulary. Reconstructed from that description and SGLang's `load_lm_head_from_target`."""
+    fixture = modelopt_fixture(folder)
+    tensors = {name: t for name, t in fixture.tensors.items() if name not in ("lm_head.weight", "d2t")}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update(draft_vocab_size=VOCAB)
+    write_json(folder / "config.json", config)
+    return Fixture(**{**fixture.__dict__, "tensors": tensors, "draft_to_target": torch.arange(VOCAB)})
+
+
 # family -> (format it is detected as, fixture)
 FIXTURES = {
     "official": ("official", official_fixture),
@@ -489,13 +501,14 @@ FIXTURES = {
     "speculators-two-layers": ("speculators", speculators_two_layer_fixture),
     "speculators-sliding": ("speculators", speculators_sliding_fixture),
     "specforge-sharded": ("sglang", sglang_sharded_fixture),
+    "modelopt-target-head": ("modelopt", modelopt_target_head_fixture),
 }
 
 
 # --- the reference forward, from the formats' shared semantics -------------------------------------------------
 
 
-def reference_forward(fixture: Fixture, embedding: torch.Tensor, input_ids, features, positions):
+def reference_forward(fixture: Fixture, embedding: torch.Tensor, input_ids, features, positions, target_head=None):
     """One draft step on target features, in float32, as the source engine computes it (vLLM's / SGLang's
     `llama_eagle3`, speculators' `Eagle3Speculator`): logits over the draft vocabulary in the format's order, and the
     feature fed back at the next step."""
@@ -553,7 +566,8 @@ def reference_forward(fixture: Fixture, embedding: torch.Tensor, input_ids, feat
         layer = layer_weights(f"layers.{index}.")
         hidden = mlp(layer, hidden + attention(layer, rms_norm(hidden, layer["input_layernorm.weight"])))
     final = rms_norm(hidden, weights["norm.weight"])
-    return final @ weights["lm_head.weight"].T, final if options.get("norm_output") else hidden
+    head = weights.get("lm_head.weight", target_head)  # a draft without its own head uses the target's
+    return final @ head.T, final if options.get("norm_output") else hidden
 
 
 def over_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
@@ -583,9 +597,9 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, family):
     order = fixture.draft_to_target.argsort()
     for name, tensor in converted.items():
         expected = {
-            "d2t": fixture.draft_to_target[order] - torch.arange(DRAFT_VOCAB),
+            "d2t": fixture.draft_to_target[order] - torch.arange(len(order)),
             "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, fixture.draft_to_target, True),
-            "lm_head.weight": renamed["lm_head.weight"][order],
+            **({"lm_head.weight": renamed["lm_head.weight"][order]} if "lm_head.weight" in renamed else {}),
         }.get(name, renamed.get(name))
         assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
 
@@ -595,12 +609,18 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, family):
     embedding = renamed.get("embed_tokens.weight", torch.randn(VOCAB, HIDDEN, generator=generator)).float()
     if draft.config.share_target_embedding:
         draft.attach_target_embedding(nn.Embedding.from_pretrained(embedding))
+    target_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    if draft.config.share_target_lm_head:
+        draft.attach_target_lm_head(target_head)
     input_ids = torch.randint(VOCAB, (2, 7), generator=generator)
     features = torch.randn(2, 7, 3 * fixture.target_hidden, generator=generator)
     positions = torch.arange(fixture.first_position, fixture.first_position + 7)
     with torch.no_grad():
         output = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False)
-    expected, expected_feature = reference_forward(fixture, embedding, input_ids, features, positions)
+    with torch.no_grad():
+        expected, expected_feature = reference_forward(
+            fixture, embedding, input_ids, features, positions, target_head.weight
+        )
     logits = output.logits
     torch.testing.assert_close(output.hidden_states, expected_feature, rtol=0, atol=5e-5)
 
@@ -630,8 +650,9 @@ def test_from_pretrained_loads_every_foreign_format_as_its_conversion(tmp_path, 
     assert direct.dtype == converted.dtype
     direct_weights, converted_weights = direct.state_dict(), converted.state_dict()
     assert direct_weights.keys() == converted_weights.keys()
-    assert all(torch.equal(direct_weights[name], converted_weights[name]) for name in converted_weights
-               if name != "embed_tokens.weight" or not converted.config.share_target_embedding)
+    shared = {name for name, shared in (("embed_tokens.weight", converted.config.share_target_embedding),
+                                        ("lm_head.weight", converted.config.share_target_lm_head)) if shared}
+    assert all(torch.equal(direct_weights[name], converted_weights[name]) for name in converted_weights.keys() - shared)
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=fixture.target_hidden, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
@@ -1016,15 +1037,28 @@ def test_unfaithful_conversion_is_refused(tmp_path, write_fixture, mutate_config
     assert not (tmp_path / "out").exists()
 
 
-def test_a_draft_using_the_targets_lm_head_is_refused(tmp_path):
-    """ModelOpt's gpt-oss-120b draft has no lm_head of its own (nor d2t): it reuses the target's."""
+def test_a_draft_without_a_head_over_a_reduced_vocabulary_is_refused(tmp_path):
+    """Without lm_head.weight only a whole-vocabulary draft can use the target's head."""
     fixture = modelopt_fixture(tmp_path)
-    tensors = {name: t for name, t in fixture.tensors.items() if name not in ("lm_head.weight", "d2t")}
+    tensors = {name: t for name, t in fixture.tensors.items() if name != "lm_head.weight"}
     save_file(tensors, tmp_path / "model.safetensors")
-    _rewrite(tmp_path, lambda config: config.update(draft_vocab_size=VOCAB))
-    with pytest.raises(ConversionError, match="no lm_head.weight: the draft's head is the target's lm_head"):
+    with pytest.raises(ConversionError, match="no lm_head.weight but a reduced draft vocabulary"):
         convert(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_using_the_targets_head_round_trips_through_sglang_and_not_speculators(tmp_path):
+    (tmp_path / "src").mkdir()
+    modelopt_target_head_fixture(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "hub")
+    convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
+    assert json.loads((tmp_path / "sglang" / "config.json").read_text())["draft_vocab_size"] is None
+    convert(tmp_path / "sglang", tmp_path / "back")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (
+        tmp_path / "hub" / "model.safetensors"
+    ).read_bytes()
+    with pytest.raises(ConversionError, match="share_target_lm_head=True.*Export to sglang"):
+        convert(tmp_path / "hub", tmp_path / "speculators", to_format="speculators")
 
 
 def test_official_checkpoint_needs_the_target_layer_count(tmp_path):

@@ -111,8 +111,32 @@ def test_loading_an_incomplete_checkpoint_is_refused(tmp_path, missing):
 
 def test_forward_without_the_shared_embedding_explains_how_to_attach_it():
     draft = tiny_draft()
-    with pytest.raises(RuntimeError, match="attach_target_embedding"):
+    with pytest.raises(RuntimeError, match=r"target's token embedding, which is not attached.*attach_target\(target\)"):
         draft(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 3 * HIDDEN))
+
+
+def test_a_draft_sharing_the_targets_lm_head_uses_it_and_never_saves_it(tmp_path):
+    """share_target_lm_head: logits are the target's lm_head over the draft's final norm (ModelOpt gpt-oss-120b)."""
+    draft = tiny_draft(draft_vocab_size=VOCAB, share_target_lm_head=True)
+    target = tiny_target()
+    with pytest.raises(RuntimeError, match="token embedding and lm_head, which is not attached"):
+        draft(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 3 * HIDDEN))
+    draft.attach_target(target)
+    assert draft.lm_head.weight is target.lm_head.weight
+    assert "lm_head.weight" not in dict(draft.named_parameters())
+    draft.to(torch.bfloat16)
+    assert target.lm_head.weight.dtype == torch.float32  # the target's head is the target's
+    draft.float()
+    input_ids, features = torch.randint(0, VOCAB, (1, 4)), torch.randn(1, 4, 3 * HIDDEN)
+    with torch.no_grad():
+        output = draft(input_ids, features)
+    torch.testing.assert_close(output.logits, target.lm_head(draft.norm(output.hidden_states)))
+    draft.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path)
+    assert loaded.config.share_target_lm_head
+    with pytest.raises(StrictDataclassClassValidationError, match="draft_vocab_size .* must equal vocab_size"):
+        tiny_draft(share_target_lm_head=True)
 
 
 def test_draft_vocabulary_maps_draft_ids_to_target_ids():

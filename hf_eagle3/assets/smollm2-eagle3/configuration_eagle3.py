@@ -96,6 +96,10 @@ class Eagle3Config(PreTrainedConfig):
         share_target_embedding (`bool`, *optional*, defaults to `True`):
             When `True` the draft's token embedding is the target's input embedding, attached at run time and never
             written to the draft's checkpoint. When `False` the checkpoint carries its own `embed_tokens.weight`.
+        share_target_lm_head (`bool`, *optional*, defaults to `False`):
+            When `True` the draft has no head of its own: its logits are the target's `lm_head` applied to the
+            draft's final norm, over the whole vocabulary (`draft_vocab_size == vocab_size`), attached at run time and
+            never saved (ModelOpt's gpt-oss-120b drafts; SGLang's `load_lm_head_from_target`).
         tree_depth (`int`, *optional*, defaults to 6):
             Default number of draft expansion steps per decoding cycle (the depth of the draft tree).
         tree_top_k (`int`, *optional*, defaults to 8):
@@ -172,6 +176,7 @@ class Eagle3Config(PreTrainedConfig):
     sliding_window: int | None = None
     qk_norm: bool = False
     share_target_embedding: bool = True
+    share_target_lm_head: bool = False
     tree_depth: int = 6
     tree_top_k: int = 8
     tree_total_tokens: int = 60
@@ -258,6 +263,11 @@ class Eagle3Config(PreTrainedConfig):
                 break
         if "sliding_attention" in (self.layer_types or []) and not (self.sliding_window or 0) >= 1:
             problems.append(f"sliding_attention layers need a sliding_window >= 1, got {self.sliding_window}")
+        if self.share_target_lm_head and self.draft_vocab_size != self.vocab_size:
+            problems.append(
+                f"share_target_lm_head predicts the whole vocabulary: draft_vocab_size ({self.draft_vocab_size}) must "
+                f"equal vocab_size ({self.vocab_size})"
+            )
         if self.fc_norm and self.norm_before_fc:
             problems.append("fc_norm and norm_before_fc are exclusive (one norms each target state, one all three)")
         if self.converted_from is not None and (
