@@ -5,18 +5,18 @@ prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` t
 `GenerationMixin`, each of which defers to the original unless the assistant is an `Eagle3DraftModel`:
 
 - `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens`, `tree_shape`,
-  `ngram_candidates` and `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this machine
-  (`calibration.choose_tree`), or runs plain decoding (the draft is not run) when none is predicted to pay;
+  `ngram_candidates` and `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this
+  machine (`calibration.choose_tree`), or runs plain decoding (the draft is not run) when none is predicted to pay;
 - `_validate_generation_mode`: rejects what EAGLE-3 decoding does not support (beam search, several return
   sequences, a different assistant tokenizer, ...) before any work is done;
 - `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
 
-One decoding cycle: the drafter grows a tree below the last generated token (the root), into which a context n-gram
-continuation is merged with `ngram_candidates` (`ngram`); the target verifies root and
-tree in one forward with a tree attention mask (with `exact_attention=True`, each node over exactly plain decoding's
-keys instead: `tree_attention`), returning the hidden states the draft fuses; the accepted path and a
-bonus token are emitted; the target's cache keeps only the accepted path, and the drafter feeds the accepted
-positions' target features to the draft.
+One decoding cycle: the drafter grows a tree below the last generated token (the root), into which, with
+`ngram_candidates`, a context n-gram continuation is merged (`ngram`); the target verifies root and tree in one forward
+with a tree attention mask (with `exact_attention=True`, each node over exactly plain decoding's keys instead:
+`tree_attention`), returning the hidden states the draft fuses; the accepted path and a bonus token are emitted; the
+target's cache keeps only the accepted path, and the drafter feeds the accepted positions' target features to the
+draft.
 """
 
 import contextlib
@@ -71,8 +71,9 @@ class Eagle3GenerationStats:
     tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
     `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy decoding
     inside `recording_greedy_cycles()` only. With `ngram_candidates`, `continuation_tokens` counts the accepted drafted
-    tokens that the context continuation proposed (alone or with the draft). With `tree_shape="auto"`, `shape_choice` says which shape was chosen and
-    why; `settings` is `None` when the call decoded plainly (the draft was not run, no cycles).
+    tokens that the context continuation proposed (alone or with the draft). With `tree_shape="auto"`, `shape_choice`
+    says which shape was chosen and why; `settings` is `None` when the call decoded plainly (the draft was not run, no
+    cycles).
     """
 
     settings: TreeSettings | None
