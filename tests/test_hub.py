@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 from unittest import mock
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from conversion import ConversionError, convert
 from hf_eagle3 import cli
 from hf_eagle3.hub import load_results, push_folder, upload_operations
+from hf_eagle3.loading import SHIPPED_DRAFT
 
 from conftest import tiny_draft
 
@@ -27,10 +29,10 @@ RESULTS = [
 ]
 
 
-def run_python(script: str, cwd: Path, **env: str) -> str:
-    """Run `script` in a fresh interpreter with only `env` (and PATH) set; return its stdout."""
+def run_python(script: str, cwd: Path, python: str | Path = sys.executable, **env: str) -> str:
+    """Run `script` in a fresh `python` interpreter with only `env` (and PATH) set; return its stdout."""
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
+        [python, "-c", textwrap.dedent(script)],
         check=False,
         cwd=cwd,
         env={"PATH": os.environ["PATH"], "HF_HUB_OFFLINE": "1", **env},
@@ -49,30 +51,88 @@ def saved_draft(tmp_path) -> Path:
     return folder
 
 
-def test_saved_draft_loads_with_trust_remote_code_where_hf_eagle3_is_missing(tmp_path, saved_draft):
+@pytest.fixture(scope="module")
+def python_without_hf_eagle3(tmp_path_factory) -> Path:
+    """The interpreter of a fresh virtualenv that has this environment's packages (torch, transformers, ...) but not
+    hf-eagle3, as on a machine where it was never installed.
+
+    `venv --without-pip` (a second), whose site-packages holds one `.pth` line naming this environment's
+    site-packages. A `.pth` line only puts that directory on `sys.path`: the `.pth` files inside it are not run, and
+    hf-eagle3 is installed there (editable) by one of them, so it is not importable; nor is the repository, since
+    the scripts run elsewhere."""
+    venv = tmp_path_factory.mktemp("venv-without-hf-eagle3")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site_packages = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    (Path(site_packages) / "packages-of-the-test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is_not_installed(
+    tmp_path, saved_draft, python_without_hf_eagle3
+):
     assert SAVED_FILES <= {path.name for path in saved_draft.iterdir()}
-    assert json.loads((saved_draft / "config.json").read_text())["auto_map"] == {
-        "AutoConfig": "configuration_eagle3.Eagle3Config",
-        "AutoModel": "modeling_eagle3.Eagle3DraftModel",
-    }
+    assert SAVED_FILES <= {path.name for path in SHIPPED_DRAFT.iterdir()}
+    for folder in (saved_draft, SHIPPED_DRAFT):
+        assert json.loads((folder / "config.json").read_text())["auto_map"] == {
+            "AutoConfig": "configuration_eagle3.Eagle3Config",
+            "AutoModel": "modeling_eagle3.Eagle3DraftModel",
+        }
     output = run_python(
         f"""
-        import sys
-        sys.modules["hf_eagle3"] = None  # importing it now raises ImportError
+        import importlib.util
+        assert importlib.util.find_spec("hf_eagle3") is None  # not installed here
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModel
 
-        draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
-        saved = load_file({str(saved_draft / "model.safetensors")!r})
-        state = draft.state_dict()
-        assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
-        print(type(draft).__module__, type(draft).__name__)
+        for folder in ({str(saved_draft)!r}, {str(SHIPPED_DRAFT)!r}):
+            draft = AutoModel.from_pretrained(folder, trust_remote_code=True)
+            state = draft.state_dict()
+            assert all(torch.equal(state[name], tensor) for name, tensor in load_file(folder + "/model.safetensors").items())
+            print(type(draft).__module__.split(".")[0], type(draft).__name__, draft.dtype)
         """,
         cwd=tmp_path,
+        python=python_without_hf_eagle3,
         HF_HOME=str(tmp_path / "hf_home"),
     )
-    assert output.startswith("transformers_modules.") and output.split()[-1] == "Eagle3DraftModel"
+    assert output.splitlines() == [
+        "transformers_modules Eagle3DraftModel torch.float32",
+        "transformers_modules Eagle3DraftModel torch.bfloat16",
+    ]
+
+
+def test_generate_with_a_draft_where_hf_eagle3_is_not_installed_says_to_install_it(
+    tmp_path, saved_draft, python_without_hf_eagle3
+):
+    output = run_python(
+        f"""
+        import torch
+        from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+        draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
+        target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                              num_attention_heads=4, num_key_value_heads=2))
+        try:
+            target.generate(torch.tensor([[3, 5, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False)
+        except TypeError as error:
+            print(error)
+        """,
+        cwd=tmp_path,
+        python=python_without_hf_eagle3,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert "needs hf-eagle3: `pip install hf-eagle3`, `import hf_eagle3`" in output
+
+
+def test_the_remote_code_shipped_with_the_draft_is_the_packages_code():
+    for name in ("configuration_eagle3.py", "modeling_eagle3.py"):
+        assert (SHIPPED_DRAFT / name).read_text() == (REPO_ROOT / "hf_eagle3" / name).read_text(), (
+            f"re-copy hf_eagle3/{name} to {SHIPPED_DRAFT.relative_to(REPO_ROOT)}/"
+        )
 
 
 def test_from_pretrained_and_convert_resolve_a_repo_id_from_the_local_cache(tmp_path, saved_draft):
