@@ -31,6 +31,7 @@ from conversion import ConversionError, DraftCheckpoint, read_checkpoint
 from conversion.fields import dtype_name
 from conversion.files import read_json
 
+from .bench import settings_description
 from .modeling_eagle3 import Eagle3DraftModel
 
 CARD_TEMPLATE = importlib.resources.files("model_cards") / "eagle3_draft.md"
@@ -232,18 +233,8 @@ def _bench_results(bench: dict[str, Any]) -> Results:
                 "τ": f"{entry['tau']:.2f}" if "tau" in entry else "-",
                 **{f"{n}-α": "-" if alphas[n] is None else f"{alphas[n]:.2f}" for n in range(positions)},
             })
-    settings = bench.get("settings") or {}
-    decoding = ("greedy" if not settings.get("temperature") else f"sampling at temperature {settings['temperature']}")
-    setup = ", ".join(part for part in (
-        settings.get("machine"),
-        settings.get("dtype"),
-        _count(settings["torch_threads"], "torch thread") if settings.get("torch_threads") else None,
-        decoding,
-        f"{settings['max_new_tokens']} new tokens" if settings.get("max_new_tokens") else None,
-        f"the first {_count(settings['limit'], 'prompt')} of each set" if settings.get("limit") else None,
-        f"median of {settings['repetitions']} interleaved repetitions" if settings.get("repetitions") else None,
-    ) if part)
-    return Results(rows, setup or None)
+    settings = bench.get("settings")
+    return Results(rows, settings_description(settings) if settings else None)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -341,10 +332,6 @@ def _profile_table(profile: list[dict[str, Any]]) -> str:
         lines.append(f"| {top_k} | " + " | ".join(
             f"{cell['tau']:.2f} ({cell['tree_total_tokens']})" if cell else "-" for cell in cells) + " |")
     return "\n".join(lines)
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> str:
