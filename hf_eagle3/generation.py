@@ -440,7 +440,16 @@ def _layered_settings(model, draft: Eagle3DraftModel, args: tuple, kwargs: dict,
     """The call's EAGLE-3 settings, where transformers looks for an assistant's (`num_assistant_tokens` is read from
     the assistant's `generation_config`): the call's keyword arguments, over the call's `generation_config`, over
     the target's, over the draft's `generation_config` (the draft config's defaults come last, in `_tree_settings`).
-    A level that sets `tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes a lower `tree_shape`."""
+    A level that sets `tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes a lower `tree_shape`.
+    transformers' own assisted-generation sizes are read from the assistant's `generation_config` only: set there,
+    they are refused, as they are in the call."""
+    ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if getattr(draft.generation_config, name, None) is not None)
+    if ignored:
+        raise TypeError(
+            f"The draft's generation_config sets {', '.join(ignored)}, which size transformers' own assisted "
+            "generation, which EAGLE-3 replaces: unset them, and set tree_depth / tree_top_k / tree_total_tokens "
+            "(or tree_shape='auto') instead."
+        )
     call_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
     levels = [
         {name: getattr(config, name) for name in EAGLE3_KWARGS if getattr(config, name, None) is not None}

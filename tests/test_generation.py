@@ -309,6 +309,13 @@ def test_settings_of_transformers_own_assisted_generation_are_refused_not_ignore
         _eagle(llama_target, fitted_draft, PROMPTS[0], max_new_tokens=5, **setting)
 
 
+def test_transformers_assisted_generation_sizes_in_the_drafts_generation_config_are_refused(llama_target):
+    draft = tiny_draft()
+    draft.generation_config.num_assistant_tokens = 5  # where transformers reads it from an assistant
+    with pytest.raises(TypeError, match="The draft's generation_config sets num_assistant_tokens.*set tree_depth"):
+        _eagle(llama_target, draft, PROMPTS[0], max_new_tokens=5)
+
+
 def test_generation_stats_exist_before_the_first_call():
     assert tiny_draft().generation_stats is None
 
