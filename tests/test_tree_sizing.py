@@ -95,3 +95,19 @@ def test_tune_tree_ranks_every_profiled_shape_by_predicted_speed(llama_target, f
     assert speeds == sorted(speeds, reverse=True) and len(predictions) == len(profile)
     assert costs.plain_step > 0 and costs.other >= 0
     assert set(costs.verify) == {1} | {prediction.settings.total_tokens + 1 for prediction in predictions}
+
+
+def test_a_profile_with_context_ngram_candidates_matches_its_largest_run(llama_target, fitted_draft):
+    torch.manual_seed(0)
+    prompts = [torch.randint(1, 90, (1, 5)).repeat(1, 3) for _ in range(2)]  # repeats: continuations are found
+    rows = acceptance_profile(llama_target, fitted_draft, prompts, top_ks=[2], max_depth=2, max_total=6,
+                              max_new_tokens=16, progress=False, ngram_candidates=True)
+    assert all(row["ngram_candidates"] is True for row in rows)
+    shapes = {(row["tree_depth"], row["tree_total_tokens"]): row["tau"] for row in rows}
+    lengths = []
+    for input_ids in prompts:
+        llama_target.generate(input_ids, max_new_tokens=16, do_sample=False, assistant_model=fitted_draft,
+                              tree_depth=2, tree_top_k=2, tree_total_tokens=6, ngram_candidates=True)
+        lengths += fitted_draft.generation_stats.acceptance_lengths
+    assert shapes[(2, 6)] == pytest.approx(sum(lengths) / len(lengths), abs=1e-4)
+    assert shapes[(2, 6)] >= shapes[(1, 2)] >= 1.0
