@@ -13,10 +13,11 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard
+from transformers import AutoModel
 from safetensors.torch import load_file, save_file
 
 from conversion import ConversionError, convert
-from hf_eagle3 import cli
+from hf_eagle3 import Eagle3DraftModel, cli
 from hf_eagle3.bench import methods_from_names, run_benchmark
 from hf_eagle3.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
 from hf_eagle3.trainer import TrainConfig, train
@@ -128,7 +129,36 @@ def test_generate_with_a_draft_where_hf_eagle3_is_not_installed_says_to_install_
         python=python_without_hf_eagle3,
         HF_HOME=str(tmp_path / "hf_home"),
     )
-    assert "needs hf-eagle3: `pip install hf-eagle3`, `import hf_eagle3`" in output
+    assert "needs hf-eagle3: `pip install hf-eagle3`, then `import hf_eagle3`" in output
+
+
+def test_with_hf_eagle3_imported_trust_remote_code_loads_its_class_and_one_loaded_before_is_named(
+    saved_draft, llama_target, tmp_path
+):
+    draft = AutoModel.from_pretrained(saved_draft, trust_remote_code=True)  # a registered class wins over remote code
+    assert type(draft) is Eagle3DraftModel
+    llama_target.generate(torch.tensor([[3, 5, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False)
+    assert draft.generation_stats.num_cycles > 0
+
+    output = run_python(  # loaded as remote code before hf_eagle3 was imported: the checkpoint's own class
+        f"""
+        import torch
+        from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+        draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
+        import hf_eagle3
+        target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                              num_attention_heads=4, num_key_value_heads=2))
+        try:
+            target.generate(torch.tensor([[3, 5, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False)
+        except TypeError as error:
+            print(type(draft).__module__.split(".")[0], error)
+        """,
+        cwd=tmp_path,
+        HF_HOME=str(tmp_path / "hf_home"),
+        PYTHONPATH=str(REPO_ROOT),
+    )
+    assert output.startswith("transformers_modules ") and "load the draft after the import" in output
 
 
 def test_the_remote_code_shipped_with_the_draft_is_the_packages_code():

@@ -252,10 +252,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         run the draft, so the error says how to make it."""
         raise TypeError(
             "An EAGLE-3 draft does not generate on its own: it drafts inside its target's generate, "
-            "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3: `pip install hf-eagle3`, "
-            "`import hf_eagle3`, and load the draft with `hf_eagle3.Eagle3DraftModel.from_pretrained(...)` (or "
-            "`AutoModel.from_pretrained(...)` without trust_remote_code: with it, transformers loads the checkpoint's "
-            "own copy of this class, which hf-eagle3 does not drive)."
+            "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3: `pip install hf-eagle3`, then "
+            "`import hf_eagle3` and load the draft after the import (`Eagle3DraftModel.from_pretrained` or "
+            "`AutoModel.from_pretrained`). A draft loaded before it with trust_remote_code=True is the checkpoint's "
+            "own copy of this class, which hf-eagle3 does not drive."
         )
 
     def _supports_logits_to_keep(self) -> bool:
