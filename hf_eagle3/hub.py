@@ -67,6 +67,11 @@ def draft_model_card(
     """
     config = checkpoint.config
     base_model = base_model or _hub_model_id(config.target_name_or_path)
+    if base_model is None and config.target_name_or_path is None:
+        raise ValueError(
+            "The draft's config records no target (target_name_or_path), so its card could not say which model it "
+            "drafts for: pass the target's Hub id as base_model (`hf-eagle3 push ... --base-model ORG/NAME`)."
+        )
     if isinstance(results, list):
         results = Results(results)
     card_data = ModelCardData(base_model=base_model, library_name=LIBRARY_NAME, license=license,

@@ -295,6 +295,14 @@ def test_a_draft_made_from_a_local_target_gets_its_hub_id_where_known_and_never_
     assert card.data.base_model == "org/Llama-Tiny" and '--model-path org/Llama-Tiny' in card.text
 
 
+def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft):
+    config = json.loads((saved_draft / "config.json").read_text())
+    (saved_draft / "config.json").write_text(json.dumps({**config, "target_name_or_path": None}))
+    with pytest.raises(ValueError, match="records no target .* --base-model ORG/NAME"):
+        upload_operations(saved_draft, "org/eagle3-draft")
+    assert _card(saved_draft, base_model="org/Llama-Tiny").data.base_model == "org/Llama-Tiny"
+
+
 def test_the_card_gives_serving_settings_from_the_drafts_tree_defaults(saved_draft):
     card = _card(saved_draft)  # tiny_draft: depth 4, top-k 3, 12 drafted tokens
     assert "--speculative-num-steps 4 --speculative-eagle-topk 3 --speculative-num-draft-tokens 13" in card.text
