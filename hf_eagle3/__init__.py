@@ -1,7 +1,8 @@
 """EAGLE-3 speculative decoding for Hugging Face transformers.
 
 Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Auto classes and lets
-`target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`.
+`target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`, also inside
+`pipeline("text-generation", model=target, assistant_model=draft)` (the draft, or its path or Hub id).
 """
 
 from transformers import AutoConfig, AutoModel
@@ -10,6 +11,7 @@ from .compatibility import check_compatibility, check_transformers_version
 from .configuration_eagle3 import Eagle3Config
 from .generation import Eagle3GenerationStats, install
 from .modeling_eagle3 import Eagle3DraftModel
+from .pipelines import install as install_pipeline_support
 
 check_transformers_version()
 
@@ -19,6 +21,7 @@ AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
 Eagle3Config.register_for_auto_class()
 Eagle3DraftModel.register_for_auto_class("AutoModel")
 install()
+install_pipeline_support()
 
 __version__ = "0.1.0"
 __all__ = ["Eagle3Config", "Eagle3DraftModel", "Eagle3GenerationStats", "check_compatibility"]

@@ -5,18 +5,18 @@ prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` t
 `GenerationMixin`, each of which defers to the original unless the assistant is an `Eagle3DraftModel`:
 
 - `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens`, `tree_shape`,
-  `ngram_candidates` and `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this machine
-  (`calibration.choose_tree`), or runs plain decoding (the draft is not run) when none is predicted to pay;
+  `ngram_candidates` and `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this
+  machine (`calibration.choose_tree`), or runs plain decoding (the draft is not run) when none is predicted to pay;
 - `_validate_generation_mode`: rejects what EAGLE-3 decoding does not support (beam search, several return
   sequences, a different assistant tokenizer, ...) before any work is done;
 - `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
 
-One decoding cycle: the drafter grows a tree below the last generated token (the root), into which a context n-gram
-continuation is merged with `ngram_candidates` (`ngram`); the target verifies root and
-tree in one forward with a tree attention mask (with `exact_attention=True`, each node over exactly plain decoding's
-keys instead: `tree_attention`), returning the hidden states the draft fuses; the accepted path and a
-bonus token are emitted; the target's cache keeps only the accepted path, and the drafter feeds the accepted
-positions' target features to the draft.
+One decoding cycle: the drafter grows a tree below the last generated token (the root), into which, with
+`ngram_candidates`, a context n-gram continuation is merged (`ngram`); the target verifies root and tree in one forward
+with a tree attention mask (with `exact_attention=True`, each node over exactly plain decoding's keys instead:
+`tree_attention`), returning the hidden states the draft fuses; the accepted path and a bonus token are emitted; the
+target's cache keeps only the accepted path, and the drafter feeds the accepted positions' target features to the
+draft.
 """
 
 import contextlib
@@ -33,7 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .calibration import choose_tree
-from .compatibility import adopt_target_layers, check_compatibility
+from .compatibility import adopt_target_layers, check_compatibility, record_target_special_tokens
 from .drafter import DraftProposal, Eagle3Drafter, TreeSettings, max_candidates
 from .modeling_eagle3 import Eagle3DraftModel
 from .ngram import ContinuationAcceptance, find_continuation
@@ -71,8 +71,9 @@ class Eagle3GenerationStats:
     tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
     `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy decoding
     inside `recording_greedy_cycles()` only. With `ngram_candidates`, `continuation_tokens` counts the accepted drafted
-    tokens that the context continuation proposed (alone or with the draft). With `tree_shape="auto"`, `shape_choice` says which shape was chosen and
-    why; `settings` is `None` when the call decoded plainly (the draft was not run, no cycles).
+    tokens that the context continuation proposed (alone or with the draft). With `tree_shape="auto"`, `shape_choice`
+    says which shape was chosen and why; `settings` is `None` when the call decoded plainly (the draft was not run, no
+    cycles).
     """
 
     settings: TreeSettings | None
@@ -448,6 +449,46 @@ def _resolve_tree_shape(model, draft: Eagle3DraftModel, eagle3_kwargs: dict) -> 
                        "shape_choice": choice.reason}
 
 
+def _check_device(draft: Eagle3DraftModel, model) -> None:
+    """The draft runs in its own dtype (the target's features are cast to it, as transformers runs an assistant in
+    the dtype it was loaded in), but on the target's device: it reads the target's hidden states every cycle."""
+    embedding = model.get_input_embeddings().weight
+    if embedding.device.type != "meta" and draft.device != embedding.device:
+        raise ValueError(
+            f"The draft is on {draft.device} and the target on {embedding.device}: EAGLE-3 drafts from the target's "
+            "hidden states and shares its embedding. Move the draft with `draft.to(target.device)`."
+        )
+
+
+def _layered_settings(model, draft: Eagle3DraftModel, args: tuple, kwargs: dict, call_settings: dict) -> dict:
+    """The call's EAGLE-3 settings, where transformers looks for an assistant's (`num_assistant_tokens` is read from
+    the assistant's `generation_config`): the call's keyword arguments, over the call's `generation_config`, over
+    the target's, over the draft's `generation_config` (the draft config's defaults come last, in `_tree_settings`).
+    A level that sets `tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes a lower `tree_shape`.
+    transformers' own assisted-generation sizes are read from the assistant's `generation_config` only: set there,
+    they are refused, as they are in the call."""
+    ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if getattr(draft.generation_config, name, None) is not None)
+    if ignored:
+        raise TypeError(
+            f"The draft's generation_config sets {', '.join(ignored)}, which size transformers' own assisted "
+            "generation, which EAGLE-3 replaces: unset them, and set tree_depth / tree_top_k / tree_total_tokens "
+            "(or tree_shape='auto') instead."
+        )
+    call_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    levels = [
+        {name: getattr(config, name) for name in EAGLE3_KWARGS if getattr(config, name, None) is not None}
+        for config in (draft.generation_config, model.generation_config, call_config)
+    ]
+    settings = {}
+    for level in (*levels, call_settings):
+        if level.get("tree_shape") == "auto":
+            settings = {name: value for name, value in settings.items() if name not in TREE_KWARGS}
+        elif "tree_shape" not in level and any(name in level for name in TREE_KWARGS):
+            settings.pop("tree_shape", None)
+        settings |= level
+    return settings
+
+
 def _wrap_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
@@ -466,7 +507,9 @@ def _wrap_generate(original):
         # before transformers' own assistant checks, which would ask for an assistant tokenizer on a vocabulary mismatch
         adopt_target_layers(draft.config, self)
         check_compatibility(draft.config, self)
-        settings = _resolve_tree_shape(self, draft, eagle3_kwargs)
+        _check_device(draft, self)
+        record_target_special_tokens(draft.config, self)
+        settings = _resolve_tree_shape(self, draft, _layered_settings(self, draft, args, kwargs, eagle3_kwargs))
         if "tree_depth" in settings and settings["tree_depth"] is None:  # no tree pays here: plain decoding
             logger.warning_once(settings["shape_choice"])
             draft.generation_stats = Eagle3GenerationStats(None, shape_choice=settings["shape_choice"])

@@ -4,8 +4,9 @@ target's own sampling distribution (temperature, top-k, top-p), in tree and chai
 The exact distribution is computed by enumerating every 3-token continuation of a tiny target (vocabulary 32).
 Each configuration draws `SAMPLES` sequences; a chi-square goodness-of-fit test (cells with expected count >= 5,
 the rest pooled into one cell) must not reject at p < 1e-3 (12 configurations: a family-wise false alarm rate near
-1%). Trees holding context n-gram continuations (`ngram_candidates`) are sampled after a prompt that repeats itself,
-so that continuations are found and accepted (in about one call of five). Plain sampling passes the same test, which checks the exact computation itself.
+1%). Plain sampling passes the same test, which checks the exact computation itself. Trees holding context n-gram
+continuations (`ngram_candidates`) are sampled after a prompt that repeats itself, so that continuations are found
+and accepted (in about one call of five).
 """
 
 import pytest
