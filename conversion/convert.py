@@ -31,14 +31,15 @@ def read_checkpoint(
     format_name: str | None = None,
     target: TargetInfo | None = None,
     options: ReadOptions | None = None,
+    download: dict | None = None,
 ) -> tuple[DraftCheckpoint, str]:
     """Read and validate the draft at `source` (a folder or a Hub repo id); return it and its format's name.
 
     Without `format_name` the format is detected from the files, and a `ConversionError` lists the candidates when
     they do not settle it. A foreign draft's config records the source format and every reading chosen where engines
-    differ (`converted_from`).
+    differ (`converted_from`). `download` holds `snapshot_download` arguments (`revision`, `token`, ...) for a Hub id.
     """
-    files = load_source(_local_folder(source))
+    files = load_source(_local_folder(source, download or {}))
     candidates = [name for name, checkpoint_format in FORMATS.items() if checkpoint_format.detect(files)]
     readable = {*candidates, *(alias for name in candidates for alias in READABLE_AS.get(name, ()))}
     if format_name is not None and format_name not in readable and candidates:
@@ -135,7 +136,7 @@ def _format(name: str) -> CheckpointFormat:
     return FORMATS[name]
 
 
-def _local_folder(source: str | Path) -> Path:
+def _local_folder(source: str | Path, download: dict) -> Path:
     """`source` itself when it is a folder; otherwise the Hub repo it names, from the cache or downloaded."""
     folder = Path(source)
     if folder.is_dir():
@@ -143,7 +144,7 @@ def _local_folder(source: str | Path) -> Path:
     if isinstance(source, Path) or str(source).count("/") != 1 or str(source).startswith((".", "/")):
         raise ConversionError(f"{source} is not a folder (nor a Hub repo id of the form org/name).")
     try:
-        return Path(snapshot_download(str(source)))
+        return Path(snapshot_download(str(source), **download))
     except (EntryNotFoundError, HfHubHTTPError) as error:
         raise ConversionError(
             f"{source} is not a folder, and no Hub repo of that name could be fetched: {error}"

@@ -531,7 +531,8 @@ def _foreign_checkpoint(source, from_format: str | None, kwargs: dict):
         raise ImportError(
             f"{source} is a draft in another project's format; loading it needs `pip install hf-eagle3`."
         ) from error
-    checkpoint, format_name = read_checkpoint(source, from_format, TargetInfo(known_at_generate=True))
+    download = {name: kwargs[name] for name in _HUB_KWARGS if name in kwargs and name != "subfolder"}
+    checkpoint, format_name = read_checkpoint(source, from_format, TargetInfo(known_at_generate=True), None, download)
     notes = (checkpoint.config.converted_from or {}).get("notes", [])
     logger.warning(
         f"{source} is a {format_name} checkpoint: converted in memory (`hf-eagle3 convert` writes the conversion "
