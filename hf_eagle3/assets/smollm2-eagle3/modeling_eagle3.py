@@ -268,8 +268,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if missing or mismatched:
             raise ValueError(
                 f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel: missing {sorted(missing)}, "
-                f"wrong shape {sorted(mismatched)}. Convert foreign checkpoints with `hf-eagle3 convert` instead of "
-                "loading them directly."
+                f"wrong shape {sorted(mismatched)}. Its weights do not match its config: save or download the draft "
+                "again (a checkpoint of another project loads directly only with that project's own config.json)."
             )
         target_ids = model.draft_to_target
         in_vocabulary = bool(((target_ids >= 0) & (target_ids < model.config.vocab_size)).all())
