@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
-from .compatibility import check_compatibility, model_name
+from .compatibility import adopt_target_layers, check_compatibility, model_name
 from .configuration_eagle3 import Eagle3Config
 from .data import MANIFEST, Example, load_dataset
 from .fingerprint import digest, model_fingerprint
@@ -270,6 +270,7 @@ def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: 
 def load_initial_draft(config: TrainConfig, target: PreTrainedModel) -> Eagle3DraftModel:
     """The trained draft `config.init_draft` (float32), checked against the target and the run's vocabulary size."""
     initial = Eagle3DraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
+    adopt_target_layers(initial.config, target)  # a foreign checkpoint that does not record its taps
     check_compatibility(initial.config, target)
     if initial.config.draft_vocab_size != config.draft_vocab_size:
         raise ValueError(
