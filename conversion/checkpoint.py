@@ -62,6 +62,9 @@ class TargetInfo:
         )
 
 
+YARN_MSCALE_READINGS = ("transformers", "serving")
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """Choices the user makes where a source format's engines read one checkpoint in different ways.
@@ -78,9 +81,6 @@ class ReadOptions:
             raise ConversionError(
                 f"yarn_mscale must be one of {', '.join(YARN_MSCALE_READINGS)}, got {self.yarn_mscale!r}."
             )
-
-
-YARN_MSCALE_READINGS = ("transformers", "serving")
 
 
 @dataclass(frozen=True)

@@ -548,6 +548,7 @@ def _is_foreign(source, kwargs: dict) -> bool:
         return False
     return config.get("model_type") != Eagle3Config.model_type
 
+
 def _saved_generation_config(source, from_pretrained_kwargs: dict) -> GenerationConfig:
     """The draft's `generation_config.json` where its folder or Hub repo has one, else an empty config."""
     download = {name: from_pretrained_kwargs[name] for name in _HUB_KWARGS if name in from_pretrained_kwargs}
