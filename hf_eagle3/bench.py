@@ -37,12 +37,13 @@ from .modeling_eagle3 import Eagle3DraftModel
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
 
-def compiled_plain_kwargs() -> dict:
+def compiled_plain_kwargs(max_cache_len: int | None = None) -> dict:
     """`generate` settings for plain decoding with a static cache and `torch.compile`, transformers' own way
-    (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`)."""
+    (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`). A `max_cache_len`
+    that fits every prompt gives every call the same cache shape: one compilation for the whole benchmark."""
     compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
     compile_config._compile_all_devices = True
-    return {"cache_implementation": "static", "compile_config": compile_config}
+    return {"cache_implementation": "static", "compile_config": compile_config, "max_cache_len": max_cache_len}
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,13 @@ class Method:
         return "tree_top_k" in self.generate_kwargs or "tree_shape" in self.generate_kwargs
 
 
-def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: int) -> list[Method]:
+def methods_from_names(
+    names: list[str], depth: int, top_k: int, total_tokens: int, max_cache_len: int | None = None
+) -> list[Method]:
     """`plain`, `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
     (the fixed shape `depth` x `top_k` x `total_tokens`), `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or
-    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays). An
+    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays);
+    `compiled` sizes its static cache to `max_cache_len` tokens. An
     EAGLE-3 method decodes with the draft's `ngram_candidates` setting; the suffix `+ngram` puts context n-gram
     candidates in its trees, `-ngram` leaves them out, and `+exact` verifies with `exact_attention=True` (suffixes in
     that order)."""
@@ -77,7 +81,7 @@ def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: i
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
         elif name == "compiled":
-            methods.append(Method(name, compiled_plain_kwargs()))
+            methods.append(Method(name, compiled_plain_kwargs(max_cache_len)))
         elif eagle3_name == "auto":
             methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact} | ngram))
         elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
@@ -374,12 +378,13 @@ def _run(args: argparse.Namespace) -> None:
         for n, seconds in costs.items():
             print(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |")
         return
-    methods = methods_from_names(
-        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
-        args.tree_total_tokens or draft.config.tree_total_tokens,
-    )
     prompt_sets = {name: load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
                    for name in args.prompts}
+    longest = max(prompt.shape[1] for prompts in prompt_sets.values() for prompt in prompts) + args.max_new_tokens
+    methods = methods_from_names(
+        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
+        args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest,
+    )
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
     output_dir = Path(args.output)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -405,9 +410,11 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
     parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
-                        help="plain (first), prompt-lookup, chain, tree (the draft's fixed defaults), "
-                             "tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this machine); EAGLE-3 methods may "
-                             "end in +exact (exact_attention=True: greedy outputs bit-identical to plain on CPU)")
+                        help="plain (first), prompt-lookup, compiled (static cache + torch.compile), chain, tree (the "
+                             "draft's fixed defaults), tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this "
+                             "machine); EAGLE-3 methods may end in +ngram / -ngram (context n-gram candidates in the "
+                             "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "
+                             "greedy outputs bit-identical to plain on CPU)")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=3)

@@ -37,9 +37,11 @@ def test_methods_from_names():
 
 
 def test_peer_and_hybrid_method_names():
-    methods = methods_from_names(["plain", "compiled", "tree+ngram", "auto-ngram", "tree:3x2x5+ngram+exact"], 4, 3, 12)
+    methods = methods_from_names(["plain", "compiled", "tree+ngram", "auto-ngram", "tree:3x2x5+ngram+exact"], 4, 3, 12,
+                                 max_cache_len=300)
     compiled = methods[1].generate_kwargs
     assert compiled["cache_implementation"] == "static" and compiled["compile_config"]._compile_all_devices
+    assert compiled["max_cache_len"] == 300
     assert not methods[1].is_eagle3
     assert methods[2].generate_kwargs == methods_from_names(["plain", "tree"], 4, 3, 12)[1].generate_kwargs | {
         "ngram_candidates": True}
