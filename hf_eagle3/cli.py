@@ -5,6 +5,7 @@ only with `--debug` or `HF_EAGLE3_DEBUG=1`. `python -m hf_eagle3` is the same co
 """
 
 import argparse
+import copy
 import importlib
 import os
 
@@ -28,6 +29,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if action.default is None or action.default is False or action.required:
             return action.help
         return super()._get_help_string(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, list | tuple):  # as it is typed: `--top-k 1 2 4 8`, not `[1, 2, 4, 8]`
+            action = copy.copy(action)
+            action.default = " ".join(str(value) for value in action.default)
+        return super()._expand_help(action)
 
 
 def version() -> str:

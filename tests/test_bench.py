@@ -13,6 +13,7 @@ from hf_eagle3.bench import (
     methods_from_names,
     run_benchmark,
     save_plots,
+    verification_cost_report,
 )
 
 
@@ -108,3 +109,12 @@ def test_first_divergence_measures_both_logit_gaps(llama_target):
     prefix.sequences = plain.sequences[:, :-2]
     stopped = first_divergence(plain, prefix, prompt_length=6)
     assert stopped["position"] == 6 and stopped["disagreement"] is None  # a stopping difference: never a near-tie
+
+
+def test_verification_cost_is_written_to_the_output_directory(llama_target, tmp_path):
+    table = verification_cost_report(llama_target, [1, 4], [2, 4, 6], tmp_path / "results")
+    record = json.loads((tmp_path / "results" / "verification-cost.json").read_text())
+    assert set(record["seconds"]) == {"1", "4"} and all(seconds > 0 for seconds in record["seconds"].values())
+    assert record["dtype"] == "float32" and record["torch_threads"] >= 1 and record["machine"]
+    assert (tmp_path / "results" / "verification-cost.md").read_text() == table
+    assert "| 4 |" in table and table.startswith("Measured on ")
