@@ -535,6 +535,7 @@ def _split_examples(config: TrainConfig) -> tuple[list[Example], list[Example]]:
     return [examples[i] for i in order[held_out:]], [examples[i] for i in order[:held_out]]
 
 
+LAUNCHED_PROCESSES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 CPU_LAUNCH = "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N -m hf_eagle3 train ..."
 
 
@@ -545,12 +546,13 @@ def make_accelerator(bf16: bool | None):
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision=None if bf16 is None else ("bf16" if bf16 else "no"))
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != accelerator.num_processes:
+    # how many processes the launcher started (torchrun: WORLD_SIZE; MPI: its own variables), as accelerate reads them
+    launched = max(int(os.environ.get(name, 1)) for name in LAUNCHED_PROCESSES)
+    if launched > accelerator.num_processes:
         raise RuntimeError(
-            f"This process is one of {launched} launched (WORLD_SIZE={launched}), but accelerate found no device to "
-            f"run them together on (distributed type {accelerator.distributed_type.value}): each would train alone "
-            f"and write the same checkpoints. Without GPUs, launch CPU processes with `{CPU_LAUNCH}`."
+            f"This process is one of {launched} launched, but accelerate found no device to run them together on "
+            f"(distributed type {accelerator.distributed_type.value}): each would train alone and write the same "
+            f"checkpoints. Without GPUs, launch CPU processes with `{CPU_LAUNCH}`."
         )
     if accelerator.num_processes == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") \
             and "MASTER_ADDR" in os.environ:

@@ -522,7 +522,7 @@ def test_a_multi_gpu_launch_without_gpus_is_refused_before_anything_is_written(d
     argv = train_argv(tmp_path / "target", dataset, tmp_path / "run", max_steps=2)
     result = accelerate_launch(["--multi_gpu", "--num_processes", "2", "-m"], ["hf_eagle3", *argv], tmp_path)
     assert result.returncode != 0
-    assert "hf-eagle3 train: error: This process is one of 2 launched" in result.stderr
+    assert "hf-eagle3 train: error: This process is one of 2 launched, but accelerate found no device" in result.stderr
     assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N -m hf_eagle3 train" in result.stderr
     assert not (tmp_path / "run").exists()
 
