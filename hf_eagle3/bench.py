@@ -1,5 +1,6 @@
-"""`hf-eagle3 bench`: speedup, acceptance length and per-position acceptance of EAGLE-3 against plain `generate` and
-prompt-lookup decoding, measured right.
+"""`hf-eagle3 bench`: speedup, acceptance length and per-position acceptance of EAGLE-3 against what a user would pick
+instead (plain `generate`, prompt-lookup decoding, plain decoding with a static cache and `torch.compile`), measured
+right.
 
 Every method runs once on the first prompt of every set before anything is timed (kernel selection for each new
 shape can cost many times a normal forward). Then, for each prompt, the methods run back to back, `repetitions`
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import CompileConfig
 
 from .calibration import machine_description, verification_cost
 from .loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
@@ -35,9 +37,18 @@ from .modeling_eagle3 import Eagle3DraftModel
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
 
+def compiled_plain_kwargs() -> dict:
+    """`generate` settings for plain decoding with a static cache and `torch.compile`, transformers' own way
+    (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`)."""
+    compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+    compile_config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": compile_config}
+
+
 @dataclass(frozen=True)
 class Method:
-    """One way of decoding: plain, prompt lookup, or EAGLE-3 with a tree shape (`top_k == 1`: chain)."""
+    """One way of decoding: plain, prompt lookup, compiled plain, or EAGLE-3 with a tree shape (`top_k == 1`:
+    chain), with or without context n-gram candidates."""
 
     name: str
     generate_kwargs: dict
@@ -48,19 +59,27 @@ class Method:
 
 
 def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: int) -> list[Method]:
-    """`plain`, `prompt-lookup`, `chain`, `tree` (the fixed shape `depth` x `top_k` x `total_tokens`),
-    `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or `auto` (`tree_shape="auto"`: the shape calibrated for
-    this machine, or plain decoding where no tree pays); an EAGLE-3 method with the suffix `+exact` verifies with
-    `exact_attention=True`."""
+    """`plain`, `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
+    (the fixed shape `depth` x `top_k` x `total_tokens`), `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or
+    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays). An
+    EAGLE-3 method decodes with the draft's `ngram_candidates` setting; the suffix `+ngram` puts context n-gram
+    candidates in its trees, `-ngram` leaves them out, and `+exact` verifies with `exact_attention=True` (suffixes in
+    that order)."""
     methods = []
     for name in names:
         eagle3_name, exact = name.removesuffix("+exact"), name.endswith("+exact")
+        ngram = {}
+        for suffix, enabled in (("+ngram", True), ("-ngram", False)):
+            if eagle3_name.endswith(suffix):
+                eagle3_name, ngram = eagle3_name.removesuffix(suffix), {"ngram_candidates": enabled}
         if name == "plain":
             methods.append(Method(name, {}))
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
+        elif name == "compiled":
+            methods.append(Method(name, compiled_plain_kwargs()))
         elif eagle3_name == "auto":
-            methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact}))
+            methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact} | ngram))
         elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
             if eagle3_name == "chain":
                 tree_depth, tree_top_k, tree_total = depth, 1, depth
@@ -69,11 +88,11 @@ def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: i
             else:
                 tree_depth, tree_top_k, tree_total = (int(part) for part in eagle3_name[5:].split("x"))
             shape = {"tree_depth": tree_depth, "tree_top_k": tree_top_k, "tree_total_tokens": tree_total}
-            methods.append(Method(name, shape | {"exact_attention": exact}))
+            methods.append(Method(name, shape | {"exact_attention": exact} | ngram))
         else:
             raise ValueError(
-                f"Unknown method {name!r}: use plain, prompt-lookup, chain, tree, tree:DxKxN or auto (EAGLE-3 "
-                "methods may end in +exact)."
+                f"Unknown method {name!r}: use plain, prompt-lookup, compiled, chain, tree, tree:DxKxN or auto "
+                "(EAGLE-3 methods may end in +ngram or -ngram, then +exact)."
             )
     if methods[0].name != "plain":
         raise ValueError("The first method must be `plain`: speedups and output checks are measured against it.")
@@ -179,6 +198,7 @@ def run_benchmark(
                         draft_seconds=run.draft_seconds,
                         verify_seconds=run.verify_seconds,
                         other_seconds=run.other_seconds,
+                        continuation_tokens=run.continuation_tokens,
                         depth=run.settings.depth if run.settings else 0,
                         shape=(f"{run.settings.depth}x{run.settings.top_k}x{run.settings.total_tokens}"
                                if run.settings else "plain"),

@@ -111,18 +111,22 @@ class TreeChoice:
     predictions: list[ShapePrediction]
 
 
-def profile_shapes(profile: list[dict]) -> list[tuple[TreeSettings, float]]:
-    """(shape, τ) of every row of an acceptance profile."""
+def profile_shapes(profile: list[dict], ngram_candidates: bool | None = None) -> list[tuple[TreeSettings, float]]:
+    """(shape, τ) of the rows of an acceptance profile measured with context n-gram candidates in the tree or without
+    (`ngram_candidates`; `None`: every row)."""
     return [(TreeSettings(row["tree_depth"], row["tree_top_k"], row["tree_total_tokens"]), row["tau"])
-            for row in profile]
+            for row in profile
+            if ngram_candidates is None or row.get("ngram_candidates", False) == ngram_candidates]
 
 
-def predict(profile: list[dict], costs: MachineCosts) -> list[ShapePrediction]:
-    """Every profiled shape's predicted speed on the measured machine, fastest first."""
+def predict(profile: list[dict], costs: MachineCosts, ngram_candidates: bool = False) -> list[ShapePrediction]:
+    """The predicted speed on the measured machine of every shape profiled with `ngram_candidates` (or, when the
+    profile has no such rows, without context candidates: a lower bound on their τ), fastest first."""
+    shapes = profile_shapes(profile, ngram_candidates) or profile_shapes(profile, False)
     predictions = [
         ShapePrediction(shape, tau, costs.draft[shape.depth, shape.top_k] + costs.verify[shape.total_tokens + 1]
                         + costs.other)
-        for shape, tau in profile_shapes(profile)
+        for shape, tau in shapes
     ]
     return sorted(predictions, key=lambda prediction: -prediction.tokens_per_second)
 
@@ -281,11 +285,12 @@ def calibrate(target, draft: Eagle3DraftModel) -> tuple[MachineCosts, Path]:
     return costs, path
 
 
-def choose_tree(target, draft: Eagle3DraftModel) -> TreeChoice:
-    """The predicted-fastest tree shape for `target` and `draft` on this machine, or none (decode plainly) when no
-    shape is predicted to beat plain decoding by `MIN_PREDICTED_SPEEDUP`."""
+def choose_tree(target, draft: Eagle3DraftModel, ngram_candidates: bool = False) -> TreeChoice:
+    """The predicted-fastest tree shape for `target` and `draft` on this machine, with context n-gram candidates in
+    the tree or without, or none (decode plainly) when no shape is predicted to beat plain decoding by
+    `MIN_PREDICTED_SPEEDUP`."""
     costs, _ = calibrate(target, draft)
-    predictions = predict(draft.config.acceptance_profile, costs)
+    predictions = predict(draft.config.acceptance_profile, costs, ngram_candidates)
     best = predictions[0]
     speedup = best.tokens_per_second * costs.plain_step
     shape = f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"

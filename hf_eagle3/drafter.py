@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .modeling_eagle3 import Eagle3DraftModel
+from .ngram import merge_continuation
 from .tree import DraftTree, build_tree, expand, select_frontier
 
 
@@ -31,6 +32,23 @@ class TreeSettings:
             )
 
 
+@dataclass
+class DraftProposal:
+    """What one drafting cycle hands to verification.
+
+    `tree` holds the candidates. For a sampled chain, `sampled[i]` says whether node `i` was drawn from the draft's
+    distribution `draft_probs[i]` (`[N + 1, V_d]`, over the draft vocabulary; rows of other nodes are unused); both
+    are `None` when every node is a deterministic candidate (top-k children, context continuations).
+    `continuation_nodes` `[K]` are the nodes holding the first `K` tokens of the context continuation merged into the
+    tree (`ngram.merge_continuation`), in continuation order; empty without one.
+    """
+
+    tree: DraftTree
+    draft_probs: torch.Tensor | None
+    sampled: torch.Tensor | None
+    continuation_nodes: torch.Tensor
+
+
 def max_candidates(depth: int, top_k: int) -> int:
     """Candidates a tree expansion of `depth` levels drafts: `top_k` children of the root, then `top_k` children of
     each of the `top_k` frontier nodes per further level."""
@@ -43,8 +61,8 @@ class Eagle3Drafter:
     The draft's cache holds one entry per *verified* position fed so far (`num_verified`), then the speculative
     entries of the current cycle's tree expansion, which `extend` drops before feeding newly verified positions.
 
-    With `sampling_temperature` set and `top_k == 1`, the chain is sampled from the draft's distributions (kept in
-    `DraftTree` order in `draft_probs` for `verify.accept_sampled`); otherwise candidates are the draft's top-k.
+    With `sampling_temperature` set and `top_k == 1`, the chain is sampled from the draft's distributions (returned
+    with the tree for `verify`); otherwise candidates are the draft's top-k.
     """
 
     def __init__(self, draft: Eagle3DraftModel, settings: TreeSettings, sampling_temperature: float | None = None):
@@ -57,7 +75,6 @@ class Eagle3Drafter:
         self.draft_to_target = draft.draft_to_target  # [V_d]
         self.root_hidden: torch.Tensor | None = None  # [1, 1, k] draft output at the last verified position
         self.root_logits: torch.Tensor | None = None  # [V_d] draft logits for the token after the root
-        self.draft_probs: torch.Tensor | None = None  # [N, V_d] sampled-chain distributions, node order
 
     def extend(self, next_tokens: torch.Tensor, target_features: torch.Tensor, positions: torch.Tensor) -> None:
         """Feed verified positions: `next_tokens` `[1, m]` (the token after each position), the target's features
@@ -74,9 +91,16 @@ class Eagle3Drafter:
         self.root_hidden = output.hidden_states[:, -1:]
         self.root_logits = output.logits[0, -1]
 
-    def draft_tree(self, root_token: torch.Tensor, root_position: int) -> DraftTree:
+    def draft_tree(
+        self,
+        root_token: torch.Tensor,
+        root_position: int,
+        continuation: torch.Tensor | None = None,
+        continuation_log_rates: torch.Tensor | None = None,
+    ) -> DraftProposal:
         """Expand `settings.depth` levels below `root_token` (the last token the target produced, at position
-        `root_position`) and keep the best `settings.total_tokens` candidates."""
+        `root_position`), merge the context `continuation` (`[m]` target ids, with the `[m]` log acceptance rates
+        of its positions) into the candidates, and keep the best `settings.total_tokens` of them."""
         top_k, device = self.settings.top_k, self.root_logits.device
         scores, draft_ids, probs = self._children(self.root_logits[None], torch.zeros(1, device=device), top_k)
         candidate_tokens, candidate_scores = [draft_ids[0]], [scores[0]]  # [k] each
@@ -120,17 +144,24 @@ class Eagle3Drafter:
             frontier_hidden = output.hidden_states[:, parent_slots]
             ancestry = torch.cat([ancestry, torch.eye(top_k, dtype=torch.bool, device=device)], dim=1)[parent_slots]
 
-        tree = build_tree(
-            root_token,
-            self.draft_to_target[torch.cat(candidate_tokens)],
-            torch.cat(candidate_scores),
-            torch.cat(candidate_parents),
-            torch.cat(candidate_depths),
-            self.settings.total_tokens,
-        )
-        if self.sample_chain:
-            self.draft_probs = torch.stack(sampled_probs)[tree.candidate_ids]
-        return tree
+        tokens = self.draft_to_target[torch.cat(candidate_tokens)]
+        scores, parents, depths = torch.cat(candidate_scores), torch.cat(candidate_parents), torch.cat(candidate_depths)
+        chain = parents[:0]
+        if continuation is not None and continuation.numel():
+            tokens, scores, parents, depths, chain = merge_continuation(
+                tokens, scores, parents, depths, continuation, continuation_log_rates
+            )
+        tree = build_tree(root_token, tokens, scores, parents, depths, self.settings.total_tokens)
+        kept = tree.candidate_ids[None, :] == chain[:, None]  # [m, N]: continuation token j is node i + 1
+        continuation_nodes = (kept.int().argmax(-1) + 1)[kept.any(-1)]
+        if not self.sample_chain:
+            return DraftProposal(tree, None, None, continuation_nodes)
+        drafted = torch.stack(sampled_probs)  # [depth, V_d]: the chain's candidates come first, one per depth
+        node_candidates = torch.cat([tree.candidate_ids.new_zeros(1), tree.candidate_ids])
+        sampled = node_candidates < drafted.shape[0]
+        sampled[0] = False  # the root
+        draft_probs = drafted[node_candidates.clamp_max(drafted.shape[0] - 1)]  # [N + 1, V_d]
+        return DraftProposal(tree, draft_probs, sampled, continuation_nodes)
 
     def _children(
         self, logits: torch.Tensor, frontier_scores: torch.Tensor, top_k: int

@@ -4,14 +4,15 @@ transformers runs assisted generation through `GenerationMixin._assisted_decodin
 prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` therefore wraps three methods of
 `GenerationMixin`, each of which defers to the original unless the assistant is an `Eagle3DraftModel`:
 
-- `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens`, `tree_shape` and
-  `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this machine
+- `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens`, `tree_shape`,
+  `ngram_candidates` and `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this machine
   (`calibration.choose_tree`), or runs plain decoding (the draft is not run) when none is predicted to pay;
 - `_validate_generation_mode`: rejects what EAGLE-3 decoding does not support (beam search, several return
   sequences, a different assistant tokenizer, ...) before any work is done;
 - `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
 
-One decoding cycle: the drafter grows a tree below the last generated token (the root); the target verifies root and
+One decoding cycle: the drafter grows a tree below the last generated token (the root), into which a context n-gram
+continuation is merged with `ngram_candidates` (`ngram`); the target verifies root and
 tree in one forward with a tree attention mask (with `exact_attention=True`, each node over exactly plain decoding's
 keys instead: `tree_attention`), returning the hidden states the draft fuses; the accepted path and a
 bonus token are emitted; the target's cache keeps only the accepted path, and the drafter feeds the accepted
@@ -33,14 +34,15 @@ from transformers.utils import logging
 
 from .calibration import choose_tree
 from .compatibility import check_compatibility
-from .drafter import Eagle3Drafter, TreeSettings, max_candidates
+from .drafter import DraftProposal, Eagle3Drafter, TreeSettings, max_candidates
 from .modeling_eagle3 import Eagle3DraftModel
+from .ngram import ContinuationAcceptance, find_continuation
 from .tree import DraftTree, tree_attention_mask
 from .tree_attention import exact_tree_attention
-from .verify import accept_among_children, accept_sampled, children, greedy_accept
+from .verify import accept_among_children, accept_in_turn, children, greedy_accept
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
-EAGLE3_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention")
+EAGLE3_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidates")
 # transformers' settings for its own candidate generators: they would be silently ignored
 ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 logger = logging.get_logger(__name__)
@@ -68,7 +70,8 @@ class Eagle3GenerationStats:
     `acceptance_lengths[i]` is the number of tokens cycle `i` emitted from one target forward (accepted drafted
     tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
     `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy decoding
-    inside `recording_greedy_cycles()` only. With `tree_shape="auto"`, `shape_choice` says which shape was chosen and
+    inside `recording_greedy_cycles()` only. With `ngram_candidates`, `continuation_tokens` counts the accepted drafted
+    tokens that the context continuation proposed (alone or with the draft). With `tree_shape="auto"`, `shape_choice` says which shape was chosen and
     why; `settings` is `None` when the call decoded plainly (the draft was not run, no cycles).
     """
 
@@ -80,6 +83,7 @@ class Eagle3GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     shape_choice: str | None = None
+    continuation_tokens: int = 0  # accepted drafted tokens that a context n-gram continuation proposed
 
     @property
     def num_cycles(self) -> int:
@@ -223,12 +227,14 @@ class _TargetDistribution:
         return self.logits_processor(prefix, self.logits[path[-1]][None].float())[0]
 
 
-def _accept(tree: DraftTree, logits: torch.Tensor, input_ids, logits_processor, do_sample: bool, drafter):
-    """Verify `tree` given the target's raw logits `[N + 1, V]` at its nodes.
+def _accept(proposal: DraftProposal, logits: torch.Tensor, input_ids, logits_processor, do_sample: bool,
+            draft_to_target: torch.Tensor):
+    """Verify the proposal's tree given the target's raw logits `[N + 1, V]` at its nodes.
 
     Returns `(path, bonus_token, scores)`: accepted node indices (root first) `[m]`, the bonus token `[1]`, and the
     processed scores `[m, V]` that produced the `m` emitted tokens.
     """
+    tree = proposal.tree
     if not do_sample and len(logits_processor) == 0:
         # `max(-1).indices` is argmax with the same first-index tie rule, several times faster on bf16 CPU tensors
         target_choices = logits.max(-1).indices  # [N + 1]
@@ -251,14 +257,17 @@ def _accept(tree: DraftTree, logits: torch.Tensor, input_ids, logits_processor, 
         probs = scores.softmax(-1)
         if child_nodes.numel() == 0:
             residual = probs
-        elif drafter.sample_chain:  # a chain: node i was sampled from draft_probs[i - 1]
-            child = int(child_nodes[0])
-            draft_probs = torch.zeros_like(probs).index_add_(
-                0, drafter.draft_to_target, drafter.draft_probs[child - 1].to(probs.dtype)
+        elif proposal.sampled is not None:  # a sampled chain, maybe next to a context continuation's token
+            proposals = [
+                torch.zeros_like(probs).index_add_(0, draft_to_target, proposal.draft_probs[child].to(probs.dtype))
+                if proposal.sampled[child] else None
+                for child in child_nodes.tolist()
+            ]
+            index, residual = accept_in_turn(
+                probs, tree.tokens[child_nodes], proposals, torch.rand(child_nodes.numel(), device=probs.device)
             )
-            accepted, residual = accept_sampled(probs, draft_probs, int(tree.tokens[child]), float(torch.rand(())))
-            if accepted:
-                path.append(child)
+            if index >= 0:
+                path.append(int(child_nodes[index]))
                 continue
         else:
             index, residual = accept_among_children(
@@ -297,6 +306,9 @@ def eagle3_decoding(
     if draft.config.share_target_embedding and draft.embed_tokens.weight is not model.get_input_embeddings().weight:
         draft.attach_target_embedding(model.get_input_embeddings())
     settings = _tree_settings(draft)
+    use_continuations = bool(_call_settings.get().get("ngram_candidates", draft.config.ngram_candidates))
+    max_match, max_continuation = draft.config.ngram_max_match, draft.config.ngram_max_tokens
+    continuation_acceptance = ContinuationAcceptance.prior(max_match)
     do_sample = generation_config.do_sample
     record_cycles = not do_sample and _recording_greedy_cycles.get()
     drafter = Eagle3Drafter(draft, settings, (generation_config.temperature or 1.0) if do_sample else None)
@@ -355,7 +367,12 @@ def eagle3_decoding(
             break
 
         with stopwatch.time("draft_seconds"):
-            tree = drafter.draft_tree(input_ids[0, -1], root_position)
+            continuation, match = (
+                find_continuation(input_ids[0], max_match, max_continuation) if use_continuations else (None, 0)
+            )
+            log_rates = continuation_acceptance.log_rates(match, continuation.numel()) if match else None
+            proposal = drafter.draft_tree(input_ids[0, -1], root_position, continuation, log_rates)
+        tree = proposal.tree
         with stopwatch.time("verify_seconds"), attention.verifying(model, tree, prefix_visible.numel()):
             outputs = model(
                 input_ids=tree.tokens[None],
@@ -367,7 +384,14 @@ def eagle3_decoding(
             )
         prefix_length = prefix_visible.numel()
         logits = outputs.logits[0]  # [N + 1, V], model dtype: argmax is exact, float32 only where scores are kept
-        path, bonus, path_scores = _accept(tree, logits, input_ids, logits_processor, do_sample, drafter)
+        path, bonus, path_scores = _accept(proposal, logits, input_ids, logits_processor, do_sample,
+                                           drafter.draft_to_target)
+        if match:
+            on_path = (proposal.continuation_nodes[:, None] == path[None, :]).any(-1)  # a prefix: [K]
+            continuation_acceptance = continuation_acceptance.updated(
+                match, proposal.continuation_nodes.numel(), int(on_path.sum())
+            )
+            stats.continuation_tokens += int(on_path.sum())
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus])
         step_scores, step_logits = path_scores, logits[path].float()
         stats.acceptance_lengths.append(new_tokens.numel())
@@ -417,7 +441,7 @@ def _resolve_tree_shape(model, draft: Eagle3DraftModel, eagle3_kwargs: dict) -> 
         return settings
     if explicit:
         raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(explicit)} or tree_shape.")
-    choice = choose_tree(model, draft)
+    choice = choose_tree(model, draft, bool(settings.get("ngram_candidates", draft.config.ngram_candidates)))
     if choice.settings is None:
         return settings | {"tree_depth": None, "shape_choice": choice.reason}
     shape = choice.settings

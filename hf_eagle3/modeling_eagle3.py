@@ -10,6 +10,10 @@ positions, its own previous output `a_i`) together with the embedding of token `
     a = x + mlp(post_attention_layernorm(x))              # next feature, [B, T, k]
     logits = lm_head(norm(a))                             # [B, T, draft_vocab_size]
 
+EAGLE 3.1 options (arXiv:2605.09992): `fc_norm` normalises each of `l`, `m`, `h` before `fc`
+(`g = fc([fc_norm_0(l) ; fc_norm_1(m) ; fc_norm_2(h)])`); `norm_before_residual` starts the residual stream from
+`hidden_norm(x)` instead of `x` (`x = hidden_norm(x)` before the attention block).
+
 Weight names match the official and SpecForge checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`).
 This file only imports torch, transformers and safetensors (a transformers dependency), so it also serves as the
 remote code of saved checkpoints.
@@ -103,14 +107,20 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.norm_before_residual = config.norm_before_residual
 
-    def attention_input(self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[input_layernorm(embedding) ; hidden_norm(feature)]`, `[B, T, 2k]`: what q / k / v read."""
-        return torch.cat([self.input_layernorm(inputs_embeds), self.hidden_norm(hidden_states)], dim=-1)
+    def attention_input(
+        self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`([input_layernorm(embedding) ; hidden_norm(feature)]` `[B, T, 2k]`, what q / k / v read, and the residual
+        `[B, T, k]`: the feature itself, or its normalised form with `norm_before_residual`)."""
+        normed = self.hidden_norm(hidden_states)
+        residual = normed if self.norm_before_residual else hidden_states
+        return torch.cat([self.input_layernorm(inputs_embeds), normed], dim=-1), residual
 
-    def finish(self, hidden_states: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
+    def finish(self, residual: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
         """Residual add of the attention output `[B, T, k]`, then the MLP block."""
-        hidden_states = hidden_states + attn_output
+        hidden_states = residual + attn_output
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
     def forward(
@@ -121,8 +131,8 @@ class Eagle3DecoderLayer(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
     ) -> torch.Tensor:
-        attn_input = self.attention_input(inputs_embeds, hidden_states)
-        return self.finish(hidden_states, self.self_attn(attn_input, position_embeddings, attention_mask, cache))
+        attn_input, residual = self.attention_input(inputs_embeds, hidden_states)
+        return self.finish(residual, self.self_attn(attn_input, position_embeddings, attention_mask, cache))
 
 
 @dataclass
@@ -170,6 +180,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(3)
+            )
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -288,6 +302,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def fuse(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """Target features `[l ; m ; h]` of shape `[B, T, 3 k_t]` -> fused feature `g`, `[B, T, k]`."""
+        if self.config.fc_norm:
+            captures = target_hidden_states.chunk(3, dim=-1)
+            target_hidden_states = torch.cat([norm(capture) for norm, capture in zip(self.fc_norm, captures)], dim=-1)
         return self.fc(target_hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,8 @@ FIXED_SETTINGS = {
     "point elsewhere": ("data", "eval_data", "eval_fraction", "seed", "batch_size", "gradient_accumulation_steps",
                         "max_length"),
     "defines the draft the checkpoint holds, or the target it learns from": (
-        "target", "draft_vocab_size", "intermediate_size", "init_draft", "init_head_from_target"),
+        "target", "draft_vocab_size", "intermediate_size", "fc_norm", "norm_before_residual", "init_draft",
+        "init_head_from_target"),
     "defines the training loss": ("ttt_steps", "step_decay"),
     "defines the optimizer whose state the checkpoint holds": (
         "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm"),
@@ -104,6 +105,9 @@ class TrainConfig:
     eval_fraction: float = _setting(0.02, "held-out share of --data when --eval-data is not given")
     draft_vocab_size: int = _setting(32000, "draft vocabulary: the most frequent target tokens of the answers")
     intermediate_size: int | None = _setting(None, "draft MLP width; default: the target's")
+    fc_norm: bool = _setting(False, "EAGLE 3.1: an RMSNorm on each target feature before fc (Eagle3Config.fc_norm)")
+    norm_before_residual: bool = _setting(False, "EAGLE 3.1: the residual starts from the normalised feature "
+                                                 "(Eagle3Config.norm_before_residual)")
     ttt_steps: int = _setting(7, "training-time-test steps: draft steps unrolled per training position")
     eval_ttt_steps: int = _setting(7, "chained draft steps in held-out evaluation (n-α for n < this), whatever "
                                       "--ttt-steps is")
@@ -277,15 +281,16 @@ class TargetFeatures:
 # -------------------------------------------------------------------------------------------------------- draft
 
 
-def draft_config_for(target: PreTrainedModel, target_name: str, draft_vocab_size: int, intermediate_size: int | None):
-    """An `Eagle3Config` shaped like one decoder layer of `target` (a Llama-style causal LM)."""
+def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
+    """An `Eagle3Config` shaped like one decoder layer of `target` (a Llama-style causal LM), with the run's
+    vocabulary size, MLP width and EAGLE 3.1 options."""
     config = target.config
     return Eagle3Config(
         vocab_size=config.vocab_size,
-        draft_vocab_size=draft_vocab_size,
+        draft_vocab_size=run.draft_vocab_size,
         hidden_size=config.hidden_size,
         target_hidden_size=config.hidden_size,
-        intermediate_size=intermediate_size or config.intermediate_size,
+        intermediate_size=run.intermediate_size or config.intermediate_size,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
@@ -293,7 +298,9 @@ def draft_config_for(target: PreTrainedModel, target_name: str, draft_vocab_size
         max_position_embeddings=config.max_position_embeddings,
         target_num_hidden_layers=config.num_hidden_layers,
         target_model_type=config.model_type,
-        target_name_or_path=SMOLLM2_NAME if target_name == "smollm2" else target_name,
+        target_name_or_path=SMOLLM2_NAME if run.target == "smollm2" else run.target,
+        fc_norm=run.fc_norm,
+        norm_before_residual=run.norm_before_residual,
     )
 
 
@@ -654,7 +661,7 @@ def train(
     vocabulary_path = output_dir / DRAFT_VOCABULARY_FILE
     initial_draft = load_initial_draft(config, target) if config.init_draft is not None else None
     if initial_draft is None:
-        draft_config = draft_config_for(target, config.target, config.draft_vocab_size, config.intermediate_size)
+        draft_config = draft_config_for(target, config)
     else:
         draft_config = initial_draft.config
         if accelerator.is_main_process and not vocabulary_path.exists():

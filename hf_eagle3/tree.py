@@ -4,7 +4,8 @@ A drafting cycle grows candidates depth by depth. At each depth the *frontier* (
 previous depth by cumulative draft log-probability) is expanded by its `top_k` most likely children; all expanded
 children are kept as candidates. Reranking then keeps the `total_tokens` best candidates overall. Because a child's
 score is its parent's score plus a log-probability (<= 0), the kept set is closed under taking parents, so it is a
-tree. Candidates are numbered depth by depth, parents before children, and the tree keeps that order (topological).
+tree. Candidates are numbered parents before children (the draft's depth by depth; `ngram` appends a continuation's
+own after them), and the tree orders its nodes by depth, then by candidate number.
 
 Node 0 of a `DraftTree` is the root: the last token the target produced, not yet verified by the target itself.
 """
@@ -86,7 +87,8 @@ def build_tree(
     """
     num_kept = min(total_tokens, candidate_tokens.numel())
     rank_keys = candidate_scores.double() - _DEPTH_PENALTY * candidate_depths
-    kept = rank_keys.topk(num_kept).indices.sort().values  # [N], topological order
+    kept = rank_keys.topk(num_kept).indices
+    kept = kept[(candidate_depths[kept] * candidate_tokens.numel() + kept).argsort()]  # [N], by depth, then index
 
     # Node index of every kept candidate (root = node 0, kept[i] = node i + 1); -1 (root's children) maps to 0.
     node_of_candidate = torch.zeros(candidate_tokens.numel() + 1, dtype=torch.long, device=kept.device)

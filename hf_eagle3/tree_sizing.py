@@ -38,7 +38,8 @@ def accepted_in_smaller_trees(
 
     Args:
         rank_keys: `[C]` the cycle's candidate ranking (`DraftTree.candidate_rank_keys`; a tree keeps the highest).
-        candidate_depths: `[C]` depth of every candidate.
+        candidate_depths: `[C]` the draft depth that holds every candidate: its depth, or 0 for a context
+            continuation's own candidates, which trees of every depth hold (`ngram`).
         accepted: `[L]` candidate indices of the drafted tokens the largest tree accepted, root's child first.
         depths: `[A]` depths to evaluate, each <= the largest tree's.
         totals: `[B]` tree sizes to evaluate, each <= the largest tree's.
@@ -48,19 +49,20 @@ def accepted_in_smaller_trees(
     outranked_by = rank_keys[None, :] > rank_keys[accepted][:, None]  # [L, C]
     within_depth = candidate_depths[None, :] <= depths[:, None]  # [A, C]
     rank = (outranked_by[None] & within_depth[:, None]).sum(-1)  # [A, L]: rank among candidates of depth <= D
-    path_depths = torch.arange(1, accepted.numel() + 1, device=accepted.device)
-    kept = (rank[:, :, None] < totals[None, None, :]) & (path_depths[None, :, None] <= depths[:, None, None])
+    path_within_depth = candidate_depths[accepted][None, :, None] <= depths[:, None, None]  # [A, L, 1]
+    kept = (rank[:, :, None] < totals[None, None, :]) & path_within_depth
     return kept.long().cumprod(dim=1).sum(dim=1)  # the path is accepted up to its first missing node
 
 
 def acceptance_profile(
     target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
-    max_new_tokens: int = 128, progress: bool = True,
+    max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool = False,
 ) -> list[dict]:
     """τ of every tree shape up to `max_depth` x `max_total` for each top-k in `top_ks`, from one greedy run per
     top-k with its largest tree over `prompts`: rows `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}`
-    (`Eagle3Config.acceptance_profile`). Shapes with more nodes than their depth has candidates are left out (the
-    same tree as a smaller size)."""
+    (`Eagle3Config.acceptance_profile`), with `"ngram_candidates": True` for trees holding context continuations
+    (whose acceptance rates the smaller trees take from the largest tree's run). Shapes with more nodes than their
+    depth has candidates are left out (the same tree as a smaller size)."""
     from tqdm.auto import tqdm
 
     depths = list(range(1, max_depth + 1))
@@ -73,32 +75,38 @@ def acceptance_profile(
         for input_ids in tqdm(prompts, desc=f"acceptance profile, top-k {top_k}", disable=not progress):
             with recording_greedy_cycles():
                 target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
-                                tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest)
+                                tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest,
+                                ngram_candidates=ngram_candidates)
             stats = draft.generation_stats
-            for tree, path in stats.greedy_cycles:
+            drafted = max_candidates(max_depth, top_k)  # candidates after these are a continuation's own
+            for (tree, path), emitted in zip(stats.greedy_cycles, stats.acceptance_lengths):
+                holding_depths = tree.candidate_depths.clone()
+                holding_depths[drafted:] = 0
                 accepted_sums += accepted_in_smaller_trees(
-                    tree.candidate_rank_keys, tree.candidate_depths, tree.candidate_ids[path[1:] - 1],
+                    tree.candidate_rank_keys, holding_depths, tree.candidate_ids[path[1:] - 1],
                     torch.tensor(depths, device=path.device), torch.tensor(totals, device=path.device),
-                ).cpu()
+                ).cpu().clamp_max(emitted - 1)  # a cycle cut by max_new_tokens or a stop emits fewer
             cycles += stats.num_cycles
         taus = 1 + accepted_sums.double() / max(cycles, 1)
         for depth in depths:
             for index, total in enumerate(totals):
                 if total <= max_candidates(depth, top_k):
                     rows.append({"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total,
-                                 "tau": round(float(taus[depth - 1, index]), 4)})
+                                 "tau": round(float(taus[depth - 1, index]), 4)}
+                                | ({"ngram_candidates": True} if ngram_candidates else {}))
     return rows
 
 
 def tune_tree(
     target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
-    max_new_tokens: int = 128, progress: bool = True,
+    max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool = False,
 ) -> tuple[list[dict], list[ShapePrediction], MachineCosts]:
     """The acceptance profile over `prompts` (see `acceptance_profile`), this machine's costs (measured now, see
     `calibration.measure_costs`), and every shape's predicted speed, fastest first."""
-    profile = acceptance_profile(target, draft, prompts, top_ks, max_depth, max_total, max_new_tokens, progress)
+    profile = acceptance_profile(target, draft, prompts, top_ks, max_depth, max_total, max_new_tokens, progress,
+                                 ngram_candidates)
     costs = measure_costs(target, draft, profile)
-    return profile, predict(profile, costs), costs
+    return profile, predict(profile, costs, ngram_candidates), costs
 
 
 def markdown_table(predictions: list[ShapePrediction], costs: MachineCosts, limit: int = 15) -> str:
@@ -116,7 +124,7 @@ def _run(args: argparse.Namespace) -> None:
     prompts = [p for name in args.prompts
                for p in load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)]
     profile, predictions, costs = tune_tree(target, draft, prompts, args.top_k, args.max_depth, args.max_total,
-                                            args.max_new_tokens)
+                                            args.max_new_tokens, ngram_candidates=args.ngram_candidates)
     print(f"measured on {costs.machine}, {args.dtype}, {torch.get_num_threads()} threads: "
           f"decode step {1000 * costs.plain_step:.1f} ms")
     print(markdown_table(predictions, costs))
@@ -130,17 +138,23 @@ def _run(args: argparse.Namespace) -> None:
                 for prediction in predictions]
         Path(args.output).write_text(json.dumps({"machine": costs.machine, "shapes": rows}, indent=1))
     if args.save_to:
-        print(save_tuned_draft(draft, profile, predictions, costs, args.save_to, stored_dtype(args.draft)))
+        print(save_tuned_draft(draft, profile, predictions, costs, args.save_to, stored_dtype(args.draft),
+                               args.ngram_candidates))
 
 
 def save_tuned_draft(draft: Eagle3DraftModel, profile: list[dict], predictions: list[ShapePrediction],
-                     costs: MachineCosts, directory: str | Path, dtype: torch.dtype) -> str:
+                     costs: MachineCosts, directory: str | Path, dtype: torch.dtype,
+                     ngram_candidates: bool = False) -> str:
     """Save `draft` as `dtype` (the dtype it is stored in, whatever dtype it was measured in) with its acceptance
-    `profile` and `tree_shape="auto"`, so that every machine picks its own shape. This machine's fastest shape becomes
+    `profile` (measured with `ngram_candidates`, which becomes its default; the rows of the other setting are kept)
+    and `tree_shape="auto"`, so that every machine picks its own shape. This machine's fastest shape becomes
     the fixed tree defaults only when it is predicted to beat plain decoding as `tree_shape="auto"` asks
     (`MIN_PREDICTED_SPEEDUP`); otherwise the defaults stay as they were, and a warning says so. Returns what was
     saved, in a sentence."""
-    draft.config.acceptance_profile = profile
+    other_setting = [row for row in draft.config.acceptance_profile or []
+                     if row.get("ngram_candidates", False) != ngram_candidates]
+    draft.config.acceptance_profile = other_setting + profile
+    draft.config.ngram_candidates = ngram_candidates
     draft.config.tree_shape = "auto"
     best = predictions[0]
     speedup, shape = best.tokens_per_second * costs.plain_step, best.settings
@@ -172,6 +186,9 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--max-depth", type=int, default=PROFILE_MAX_DEPTH, help="deepest tree to try")
     parser.add_argument("--max-total", type=int, default=PROFILE_MAX_TOTAL,
                         help="largest number of drafted tokens to try")
+    parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=False,
+                        help="profile trees holding context n-gram continuations (`ngram_candidates`); --save-to then "
+                             "makes it the draft's default")
     parser.add_argument("--output", help="write every shape's figures to this JSON file")
     parser.add_argument("--save-to", help="save the draft, in the dtype it is stored in, with its acceptance profile "
                                           "and tree_shape='auto' (and this machine's best shape as fixed defaults, "

@@ -124,13 +124,13 @@ class TrainingTimeTest(nn.Module):
         keys, values = [], []
         for step in range(self.steps):
             embeds = draft.embed_tokens(tokens).to(features.dtype)
-            attn_input = draft.midlayer.attention_input(embeds, features)  # [B, T, 2k]
+            attn_input, residual = draft.midlayer.attention_input(embeds, features)  # [B, T, 2k], [B, T, k]
             position_embeddings = draft.rotary_emb(features, positions + step)
             query, key, value = attention.project(attn_input, position_embeddings)
             keys.append(key)
             values.append(value)
             attn_output = ttt_attention(query, keys, values, attention.scaling, causal_mask.to(query.dtype))
-            features = draft.midlayer.finish(features, attention.o_proj(attn_output))  # a^s, [B, T, k]
+            features = draft.midlayer.finish(residual, attention.o_proj(attn_output))  # a^s, [B, T, k]
             yield features
             # Next step: same rows, one position further on; the feature a^s stays in its row and feeds back.
             tokens = shift_left(tokens)

@@ -10,6 +10,9 @@ Sampling, both rules lossless (the emitted token is distributed exactly as the t
   sampling with each candidate's draft distribution a point mass, which is what top-k drafting really is.
 - `accept_sampled` (chain whose tokens were sampled from draft distributions `q`): the standard rule, accept `x` with
   probability `min(1, p(x) / q(x))`, else draw from `normalise(max(p - q, 0))`.
+- `accept_in_turn` (children of mixed origin: a sampled chain child next to a context continuation's token): the
+  children are tried in order, each by the rule of its own proposal (`q`, or a point mass), each against what is left
+  of `p` after the rejections before it. This is multi-draft speculative sampling with independent proposals.
 """
 
 import torch
@@ -73,6 +76,26 @@ def accept_sampled(
     if uniform * draft_probs[token] < target_probs[token]:
         return True, target_probs
     return False, _normalise((target_probs - draft_probs).clamp_min(0.0), fallback=target_probs)
+
+
+def accept_in_turn(
+    target_probs: torch.Tensor,
+    child_tokens: torch.Tensor,
+    child_draft_probs: list[torch.Tensor | None],
+    uniforms: torch.Tensor,
+) -> tuple[int, torch.Tensor]:
+    """Try candidates in order, each drawn from its own proposal: `child_draft_probs[i]` (`[V]`), or `None` for a
+    deterministic candidate (a point mass). Returns `(index, residual)` as `accept_among_children` does."""
+    probs = target_probs
+    for index, (token, draft_probs) in enumerate(zip(child_tokens.tolist(), child_draft_probs)):
+        if draft_probs is None:
+            accepted, probs = accept_among_children(probs, child_tokens[index : index + 1], uniforms[index : index + 1])
+            accepted = accepted == 0
+        else:
+            accepted, probs = accept_sampled(probs, draft_probs, token, float(uniforms[index]))
+        if accepted:
+            return index, target_probs
+    return -1, probs
 
 
 def _normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,18 @@ def test_methods_from_names():
         methods_from_names(["plain", "prompt-lookup+exact"], 4, 3, 12)
 
 
+def test_peer_and_hybrid_method_names():
+    methods = methods_from_names(["plain", "compiled", "tree+ngram", "auto-ngram", "tree:3x2x5+ngram+exact"], 4, 3, 12)
+    compiled = methods[1].generate_kwargs
+    assert compiled["cache_implementation"] == "static" and compiled["compile_config"]._compile_all_devices
+    assert not methods[1].is_eagle3
+    assert methods[2].generate_kwargs == methods_from_names(["plain", "tree"], 4, 3, 12)[1].generate_kwargs | {
+        "ngram_candidates": True}
+    assert methods[3].generate_kwargs == {"tree_shape": "auto", "exact_attention": False, "ngram_candidates": False}
+    assert methods[4].generate_kwargs == {"tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5,
+                                          "exact_attention": True, "ngram_candidates": True}
+
+
 def test_acceptance_by_position():
     # cycles emitting 1, 2, 3 and 3 tokens: drafted tokens accepted 0, 1, 2, 2
     assert acceptance_by_position([1, 2, 3, 3], 3) == [0.75, 2 / 3, 0.0]

@@ -116,3 +116,21 @@ def test_auto_needs_an_acceptance_profile(cache, llama_target, fitted_draft):
         Eagle3Config(tree_shape="auto")
     with pytest.raises(ValueError, match="tune-tree"):
         llama_target.generate(PROMPT, max_new_tokens=8, assistant_model=fitted_draft, tree_shape="auto")
+
+
+def test_auto_reads_the_profile_rows_of_the_calls_ngram_setting(cache, llama_target, auto_draft):
+    _, path = calibrate(llama_target, auto_draft)
+    _rewrite_costs(path, verify=lambda verify: {n: 1e-4 for n in verify},
+                   draft=lambda draft: [[depth, top_k, 0.0] for depth, top_k, _ in draft], other=lambda other: 0.0)
+    without = choose_tree(llama_target, auto_draft, ngram_candidates=True)  # no such rows: the others, a lower bound
+    assert without.settings == choose_tree(llama_target, auto_draft).settings
+    smallest = min(auto_draft.config.acceptance_profile, key=lambda row: row["tree_total_tokens"])
+    auto_draft.config.acceptance_profile = auto_draft.config.acceptance_profile + [smallest | {
+        "tau": 50.0, "ngram_candidates": True}]
+    _, path = calibrate(llama_target, auto_draft)  # another config: measured again
+    _rewrite_costs(path, verify=lambda verify: {n: 1e-4 for n in verify},
+                   draft=lambda draft: [[depth, top_k, 0.0] for depth, top_k, _ in draft], other=lambda other: 0.0)
+    choice = choose_tree(llama_target, auto_draft, ngram_candidates=True)
+    assert (choice.settings.depth, choice.settings.top_k, choice.settings.total_tokens) == (
+        smallest["tree_depth"], smallest["tree_top_k"], smallest["tree_total_tokens"])
+    assert choose_tree(llama_target, auto_draft).predictions[0].tau < 50.0

@@ -310,3 +310,40 @@ def test_settings_of_transformers_own_assisted_generation_are_refused_not_ignore
 
 def test_generation_stats_exist_before_the_first_call():
     assert tiny_draft().generation_stats is None
+
+
+NGRAM_PROMPTS = [torch.cat([p, p, p[:, :2]], dim=1) for p in PROMPTS]  # repeats: continuations are found
+
+
+@pytest.mark.parametrize("family", sorted(TARGET_FAMILIES))
+@pytest.mark.parametrize("shape", [TREE, CHAIN, EXACT_TREE, dict(tree_depth=1, tree_top_k=1, tree_total_tokens=1)],
+                         ids=["tree", "chain", "exact-tree", "one-token"])
+def test_greedy_with_context_ngram_candidates_equals_plain_decoding(family, shape):
+    target, draft = tiny_target(family), tiny_draft()
+    for prompt in PROMPTS + NGRAM_PROMPTS:
+        expected = _plain(target, prompt, max_new_tokens=24)
+        assert torch.equal(_eagle(target, draft, prompt, max_new_tokens=24, ngram_candidates=True, **shape), expected)
+
+
+def test_context_ngram_candidates_raise_acceptance_on_repetitive_text(llama_target, fitted_draft):
+    lengths = {}
+    for enabled in (False, True):
+        accepted = []
+        for prompt in NGRAM_PROMPTS:
+            _eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, ngram_candidates=enabled, **TREE)
+            accepted.append(fitted_draft.generation_stats.mean_acceptance_length)
+            if enabled:
+                assert fitted_draft.generation_stats.continuation_tokens > 0
+        lengths[enabled] = sum(accepted) / len(accepted)
+    assert lengths[True] > lengths[False], lengths
+
+
+def test_the_config_switches_context_ngram_candidates_and_a_call_overrides_it(llama_target, fitted_draft):
+    fitted_draft.config.ngram_candidates = True
+    try:
+        _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, **TREE)
+        assert fitted_draft.generation_stats.continuation_tokens > 0
+        _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, ngram_candidates=False, **TREE)
+        assert fitted_draft.generation_stats.continuation_tokens == 0
+    finally:
+        fitted_draft.config.ngram_candidates = False

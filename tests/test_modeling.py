@@ -222,3 +222,49 @@ def test_a_truncated_checkpoint_is_named_on_load(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match="truncated or damaged"):
         Eagle3DraftModel.from_pretrained(tmp_path)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("fc_norm", [False, True])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle_3_1_options_compute_their_published_formulas(fc_norm, norm_before_residual):
+    """fc_norm normalises each captured target state before fc; norm_before_residual starts the residual from the
+    normalised feature (vLLM's `_norm_before_residual`). Checked against the formulas written out."""
+    draft = tiny_draft(fc_norm=fc_norm, norm_before_residual=norm_before_residual)
+    draft.attach_target_embedding(tiny_target().get_input_embeddings())
+    for name, parameter in draft.named_parameters():
+        if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm"):
+            torch.nn.init.uniform_(parameter, 0.5, 1.5)
+    assert ("fc_norm.2.weight" in draft.state_dict()) == fc_norm
+    eps, layer = draft.config.rms_norm_eps, draft.midlayer
+    input_ids, features = torch.randint(0, VOCAB, (1, 5)), 3.0 * torch.randn(1, 5, 3 * HIDDEN)
+    with torch.no_grad():
+        output = draft(input_ids, features)
+        captures = features.chunk(3, dim=-1)
+        if fc_norm:
+            captures = [_rms(c, norm.weight, eps) for c, norm in zip(captures, draft.fc_norm)]
+        x = draft.fc(torch.cat(captures, dim=-1))
+        normed = _rms(x, layer.hidden_norm.weight, eps)
+        attn_input = torch.cat([_rms(draft.embed_tokens(input_ids), layer.input_layernorm.weight, eps), normed], -1)
+        positions = torch.arange(5)[None]
+        attn = layer.self_attn(attn_input, draft.rotary_emb(x, positions), _causal(5))
+        h = (normed if norm_before_residual else x) + attn
+        expected = h + layer.mlp(_rms(h, layer.post_attention_layernorm.weight, eps))
+    assert torch.allclose(output.hidden_states, expected, atol=1e-5)
+    assert torch.allclose(output.logits, draft.lm_head(_rms(expected, draft.norm.weight, eps)), atol=1e-5)
+
+
+def _causal(length: int) -> torch.Tensor:
+    return torch.full((length, length), torch.finfo(torch.float32).min).triu(1)[None, None]
+
+
+def test_eagle_3_1_options_survive_save_and_load(tmp_path):
+    draft = tiny_draft(fc_norm=True, norm_before_residual=True)
+    torch.nn.init.uniform_(draft.fc_norm[1].weight, 0.5, 1.5)
+    draft.save_pretrained(tmp_path)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path)
+    assert loaded.config.fc_norm and loaded.config.norm_before_residual
+    assert torch.equal(loaded.fc_norm[1].weight, draft.fc_norm[1].weight)

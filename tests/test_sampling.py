@@ -3,8 +3,9 @@ target's own sampling distribution (temperature, top-k, top-p), in tree and chai
 
 The exact distribution is computed by enumerating every 3-token continuation of a tiny target (vocabulary 32).
 Each configuration draws `SAMPLES` sequences; a chi-square goodness-of-fit test (cells with expected count >= 5,
-the rest pooled into one cell) must not reject at p < 1e-3 (8 configurations: a family-wise false alarm rate under
-1%). Plain sampling passes the same test, which checks the exact computation itself.
+the rest pooled into one cell) must not reject at p < 1e-3 (12 configurations: a family-wise false alarm rate near
+1%). Trees holding context n-gram continuations (`ngram_candidates`) are sampled after a prompt that repeats itself,
+so that continuations are found and accepted (in about one call of five). Plain sampling passes the same test, which checks the exact computation itself.
 """
 
 import pytest
@@ -22,6 +23,7 @@ SETTINGS = {
     "top-k-20": dict(temperature=1.0, top_k=20),
 }
 PROMPT = torch.tensor([[5, 17, 3, 9]])
+REPEATING_PROMPT = torch.tensor([[5, 17, 3, 9, 16, 9, 16, 9, 8, 8, 8]])  # PROMPT and the target's greedy answer
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +49,17 @@ def _warpers(settings: dict) -> LogitsProcessorList:
 
 
 @torch.no_grad()
-def _exact_joint(target, settings: dict) -> torch.Tensor:
-    """`[V, V, V]` probability of each 3-token continuation of PROMPT under plain sampling."""
+def _exact_joint(target, settings: dict, prompt: torch.Tensor = PROMPT) -> torch.Tensor:
+    """`[V, V, V]` probability of each 3-token continuation of `prompt` under plain sampling."""
     warpers = _warpers(settings)
 
     def next_probs(sequences: torch.Tensor) -> torch.Tensor:
         logits = target(sequences).logits[:, -1].float()
         return warpers(sequences, logits).softmax(-1)
 
-    first = next_probs(PROMPT)[0]  # [V]
+    first = next_probs(prompt)[0]  # [V]
     tokens = torch.arange(VOCAB)
-    one = torch.cat([PROMPT.expand(VOCAB, -1), tokens[:, None]], dim=1)  # [V, L + 1]
+    one = torch.cat([prompt.expand(VOCAB, -1), tokens[:, None]], dim=1)  # [V, L + 1]
     second = next_probs(one)  # [V, V]
     two = torch.cat([one.repeat_interleave(VOCAB, 0), tokens.repeat(VOCAB)[:, None]], dim=1)  # [V^2, L + 2]
     third = next_probs(two).view(VOCAB, VOCAB, VOCAB)
@@ -75,12 +77,12 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor(degrees / 2.0), statistic / 2.0).item()
 
 
-def _sample_counts(target, settings: dict, **generate_kwargs) -> torch.Tensor:
+def _sample_counts(target, settings: dict, prompt: torch.Tensor = PROMPT, **generate_kwargs) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     for _ in range(SAMPLES):
-        out = target.generate(PROMPT, do_sample=True, max_new_tokens=3, top_k=settings.get("top_k", 0),
+        out = target.generate(prompt, do_sample=True, max_new_tokens=3, top_k=settings.get("top_k", 0),
                               top_p=settings.get("top_p", 1.0), temperature=settings["temperature"], **generate_kwargs)
-        counts[tuple(out[0, PROMPT.shape[1]:].tolist())] += 1
+        counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
     return counts
 
 
@@ -100,3 +102,20 @@ def test_eagle3_sampling_matches_the_exact_distribution(target, draft, name, sha
     accepted = sum(draft.generation_stats.acceptance_lengths)
     assert _chi_square_p_value(counts, _exact_joint(target, settings)) > 1e-3
     assert accepted >= 1  # the last call went through verification
+
+
+@pytest.mark.parametrize("shape", [dict(tree_top_k=3, tree_depth=3, tree_total_tokens=8), dict(tree_top_k=1, tree_depth=3)],
+                         ids=["tree", "chain"])
+@pytest.mark.parametrize("name", ["temperature-1.0", "top-k-20"])
+def test_sampling_with_context_ngram_candidates_matches_the_exact_distribution(target, draft, name, shape):
+    """Continuation tokens are point masses next to the draft's candidates (a sampled chain's child included)."""
+    torch.manual_seed(2)
+    settings = SETTINGS[name]
+    counts = _sample_counts(target, settings, REPEATING_PROMPT, assistant_model=draft, ngram_candidates=True, **shape)
+    assert _chi_square_p_value(counts, _exact_joint(target, settings, REPEATING_PROMPT)) > 1e-3
+    accepted_continuations = 0
+    for _ in range(50):  # the continuations were really verified, and some accepted
+        target.generate(REPEATING_PROMPT, do_sample=True, max_new_tokens=3, temperature=settings["temperature"],
+                        top_k=settings.get("top_k", 0), assistant_model=draft, ngram_candidates=True, **shape)
+        accepted_continuations += draft.generation_stats.continuation_tokens
+    assert accepted_continuations > 0

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from conftest import HIDDEN, VOCAB, tiny_draft
 
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
 from hf_eagle3.ttt import TrainingTimeTest, shift_left, ttt_attention
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 12, 4, 2, 8
@@ -71,10 +73,16 @@ def test_ttt_memory_grows_linearly_in_steps():
     assert memory[8] < explicit_scores_bytes, memory
 
 
-@pytest.fixture
-def draft_and_batch():
+EAGLE_3_1_OPTIONS = [{}, {"fc_norm": True}, {"norm_before_residual": True}, {"fc_norm": True, "norm_before_residual": True}]
+
+
+@pytest.fixture(params=EAGLE_3_1_OPTIONS, ids=lambda options: "+".join(options) or "eagle3")
+def draft_and_batch(request):
     torch.manual_seed(0)
-    draft = tiny_draft(draft_vocab_size=48).eval()
+    draft = tiny_draft(draft_vocab_size=48, **request.param).eval()
+    for norm in draft.modules():  # random norm weights, so that a norm applied in the wrong place shows
+        if isinstance(norm, LlamaRMSNorm):
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     draft.attach_target_embedding(torch.nn.Embedding(VOCAB, HIDDEN))
     input_ids = torch.randint(0, VOCAB, (BATCH, LENGTH))
     target_features = torch.randn(BATCH, LENGTH, 3 * HIDDEN)

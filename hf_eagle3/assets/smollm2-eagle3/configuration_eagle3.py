@@ -65,6 +65,14 @@ class Eagle3Config(PreTrainedConfig):
             `model_type` of the target the draft was trained for (e.g. `"llama"`), recorded for checks and cards.
         target_name_or_path (`str`, *optional*):
             Hub id or path of the target the draft was trained for, recorded for checks and cards.
+        fc_norm (`bool`, *optional*, defaults to `False`):
+            EAGLE 3.1 (arXiv:2605.09992): an RMSNorm (`fc_norm.{0,1,2}`, width `k_t`) on each captured target hidden
+            state before `fc`, so that no tapped layer dominates the fused feature by its magnitude. SpecForge
+            `fc_norm`, speculators `fc_norm.*` weights.
+        norm_before_residual (`bool`, *optional*, defaults to `False`):
+            EAGLE 3.1: the decoder layer's residual stream starts from the *normalised* feature
+            `hidden_norm(x)` instead of `x`, so the feature fed back at the next draft step keeps a bounded magnitude
+            with depth. vLLM / speculators `norm_before_residual`.
         share_target_embedding (`bool`, *optional*, defaults to `True`):
             When `True` the draft's token embedding is the target's input embedding, attached at run time and never
             written to the draft's checkpoint. When `False` the checkpoint carries its own `embed_tokens.weight`.
@@ -79,11 +87,23 @@ class Eagle3Config(PreTrainedConfig):
             predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
             cached; see `hf_eagle3.calibration`), or plainly (without running the draft) when no shape is predicted
             to beat plain decoding. Passing any tree setting to `generate` decodes with that fixed shape.
+        ngram_candidates (`bool`, *optional*, defaults to `False`):
+            Merge a context n-gram continuation into every draft tree (`hf_eagle3.ngram`): the tokens that followed
+            the latest occurrence of the last `ngram_max_match` (or fewer) tokens in the prompt and the text generated
+            so far, ranked against the draft's own candidates by an acceptance rate learnt during the call, within the
+            same `tree_total_tokens` budget. Lossless like the draft's candidates. `generate(ngram_candidates=...)`
+            overrides it per call.
+        ngram_max_match (`int`, *optional*, defaults to 3):
+            Longest suffix of the text matched for the context continuation.
+        ngram_max_tokens (`int`, *optional*, defaults to 10):
+            Most tokens of one context continuation (transformers' `prompt_lookup_num_tokens`).
         acceptance_profile (`list[dict]`, *optional*):
             τ (tokens per target forward) of tree shapes for this draft and its target, one
             `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}` row per shape, estimated from greedy decoding of
-            calibration prompts (`hf-eagle3 tune-tree --save-to`). It does not depend on the hardware; `tree_shape=
-            "auto"` combines it with the machine's measured costs.
+            calibration prompts (`hf-eagle3 tune-tree --save-to`); rows with `"ngram_candidates": true` were measured
+            with context n-gram candidates in the tree. It does not depend on the hardware; `tree_shape="auto"`
+            combines the rows of the call's `ngram_candidates` setting (else those without) with the machine's
+            measured costs.
 
     ```python
     >>> from hf_eagle3 import Eagle3Config, Eagle3DraftModel
@@ -117,11 +137,16 @@ class Eagle3Config(PreTrainedConfig):
     target_num_hidden_layers: int | None = None
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    fc_norm: bool = False
+    norm_before_residual: bool = False
     share_target_embedding: bool = True
     tree_depth: int = 6
     tree_top_k: int = 8
     tree_total_tokens: int = 60
     tree_shape: str = "fixed"
+    ngram_candidates: bool = False
+    ngram_max_match: int = 3
+    ngram_max_tokens: int = 10
     acceptance_profile: list[dict] | None = None
     tie_word_embeddings: bool = False
 
@@ -183,7 +208,7 @@ class Eagle3Config(PreTrainedConfig):
                 problems.append(f"target_layer_ids must be non-negative, got {self.target_layer_ids}")
             if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
                 problems.append(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
-        for name in ("tree_depth", "tree_top_k", "tree_total_tokens"):
+        for name in ("tree_depth", "tree_top_k", "tree_total_tokens", "ngram_max_match", "ngram_max_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tree_shape not in ("fixed", "auto"):
@@ -193,10 +218,11 @@ class Eagle3Config(PreTrainedConfig):
                 "tree_shape='auto' needs an acceptance_profile (record one with `hf-eagle3 tune-tree --save-to`)"
             )
         for row in self.acceptance_profile or []:
-            if set(row) != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
+            shape_keys = set(row) - {"ngram_candidates"}
+            if shape_keys != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
                 problems.append(
-                    "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1}, got "
-                    f"{row}"
+                    "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1} and "
+                    f"optionally ngram_candidates, got {row}"
                 )
                 break
         if problems:
