@@ -581,17 +581,17 @@ def _same_target(first: str, second: str) -> bool:
         SMOLLM2_NAME if second == "smollm2" else second)
 
 
-def resolve_target(config: TrainConfig, target: PreTrainedModel | None = None) -> str:
+def resolve_target(config: TrainConfig, target: PreTrainedModel | None = None, run_target: str | None = None) -> str:
     """The run's target: `--target`, else the one the data's `manifest.json` records (`prepare-data --target`), else
-    the name of the `target` model given to `train`. A `--target` other than the data's, or data and held-out data
-    prepared for different targets, is refused naming both."""
+    `run_target` (a resumed run's own), else the name of the `target` model given to `train`. A `--target` other
+    than the data's, or data and held-out data prepared for different targets, is refused naming both."""
     recorded = {}
     for directory in filter(None, (config.data, config.eval_data)):
         manifest = Path(directory) / MANIFEST
         name = json.loads(manifest.read_text())["settings"].get("target_name_or_path") if manifest.is_file() else None
         if name:
             recorded[directory] = name
-    wanted = config.target or next(iter(recorded.values()), None)
+    wanted = config.target or next(iter(recorded.values()), None) or run_target
     for directory, name in recorded.items():
         if not _same_target(name, wanted):
             flag = f"--target {config.target}" if config.target else f"the target of {config.data} ({wanted})"
@@ -638,18 +638,20 @@ def train(
     if config.threads:
         torch.set_num_threads(config.threads)
     accelerator = make_accelerator(config.bf16)
-    # what the run is, resolved: saved in train_config.json, and what a resumed run is checked against
-    config = replace(config, target=resolve_target(config, target), bf16=accelerator.mixed_precision == "bf16")
     output_dir = Path(config.output_dir)
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {output_dir}; drop --resume to start a new run.")
     if not resume and latest_checkpoint(output_dir) is not None:
         raise FileExistsError(f"{output_dir} already holds checkpoints: pass --resume, or use a new --output-dir.")
+    saved = json.loads((output_dir / "train_config.json").read_text()) if resume else {}
+    # what the run is, resolved: saved in train_config.json, and what a resumed run is checked against
+    config = replace(config, target=resolve_target(config, target, saved.get("target")),
+                     bf16=accelerator.mixed_precision == "bf16")
     if resume:
-        _check_resumable(json.loads((output_dir / "train_config.json").read_text()), config)
+        _check_resumable(saved, config)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
 
@@ -823,7 +825,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
             parser.add_argument(flag, type=kind, default=default, help=help_text)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --output-dir; may change only "
-                             + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE_CHANGES[1:])
+                             + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE_CHANGES
+                                         if name != "output_dir")
                              + " (and --output-dir, to a moved run)")
     parser.set_defaults(run=_run_cli)
 

@@ -341,7 +341,9 @@ def test_a_moved_run_directory_resumes_and_bookkeeping_settings_may_change(datas
     first.run(first)
     shutil.move(tmp_path / "run", tmp_path / "moved")
     (tmp_path / "moved" / "draft").rename(tmp_path / "first-draft")
-    resumed = parse_train_cli([*argv, "--output-dir", str(tmp_path / "moved"), "--log-every", "3", "--resume"])
+    without_target = argv[:3] + argv[5:]  # the data records no target: the run's own train_config.json does
+    resumed = parse_train_cli([*without_target, "--output-dir", str(tmp_path / "moved"), "--log-every", "3",
+                               "--resume"])
     resumed.run(resumed)
     assert (tmp_path / "moved" / "draft" / "model.safetensors").is_file()
     changed = parse_train_cli([*argv, "--output-dir", str(tmp_path / "moved"), "--ttt-steps", "2", "--resume"])
