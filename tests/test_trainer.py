@@ -435,11 +435,12 @@ def train_argv(target_dir, data, output_dir, **settings):
 @pytest.fixture(scope="module")
 def two_cpu_processes(dataset, target, tmp_path_factory):
     """A 4-step run in 2 CPU processes (gloo), 2 conversations per process and step; 1 held-out conversation, so
-    process 1 has no held-out batch."""
+    process 1 has no held-out batch. Target features are precomputed (by one process, read by both)."""
     root = tmp_path_factory.mktemp("two-processes")
     target.save_pretrained(root / "target")
     (root / "train_and_dump.py").write_text(TRAIN_AND_DUMP_WEIGHTS)
-    argv = train_argv(root / "target", dataset, root / "run", batch_size=2, max_steps=4)
+    argv = train_argv(root / "target", dataset, root / "run", batch_size=2, max_steps=4,
+                      precompute_features=root / "features")
     result = accelerate_launch(["--multi_gpu", "--num_processes", "2"], [str(root / "train_and_dump.py"), str(root),
                                *argv], root, env={"ACCELERATE_USE_CPU": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -459,7 +460,8 @@ def test_two_cpu_processes_with_fewer_held_out_batches_than_processes_train_as_o
     single = tmp_path / "single"
     settings = {name: value for name, value in LAUNCH_SETTINGS.items() if name != "threads"}
     train(TrainConfig(data=str(dataset), output_dir=str(single), batch_size=2, gradient_accumulation_steps=2,
-                      max_steps=4, **settings), target=target, progress=False)
+                      max_steps=4, precompute_features=str(tmp_path / "features"), **settings),
+          target=target, progress=False)
     launched = json.loads((root / "run" / "history.json").read_text())
     alone = json.loads((single / "history.json").read_text())
     assert [sorted(entry) for entry in launched] == [sorted(entry) for entry in alone]
@@ -482,7 +484,8 @@ def test_a_run_resumed_under_accelerate_extends_max_steps_on_the_longer_schedule
 
     run = tmp_path / "run"
     shutil.copytree(two_cpu_processes / "run", run)
-    argv = train_argv(two_cpu_processes / "target", dataset, run, batch_size=2, max_steps=6, eval_every=3)
+    argv = train_argv(two_cpu_processes / "target", dataset, run, batch_size=2, max_steps=6, eval_every=3,
+                      precompute_features=two_cpu_processes / "features")
     result = accelerate_launch(["--multi_gpu", "--num_processes", "2", "-m"], ["hf_eagle3", *argv, "--resume"],
                                tmp_path, env={"ACCELERATE_USE_CPU": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -504,7 +507,7 @@ def test_a_run_resumed_under_accelerate_extends_max_steps_on_the_longer_schedule
     single = tmp_path / "single"
     settings = {name: value for name, value in LAUNCH_SETTINGS.items() if name != "threads"}
     config = TrainConfig(data=str(dataset), output_dir=str(single), batch_size=2, gradient_accumulation_steps=2,
-                         max_steps=4, **settings)
+                         max_steps=4, precompute_features=str(tmp_path / "features"), **settings)
     train(config, target=target, progress=False)
     train(replace(config, max_steps=6), resume=True, target=target, progress=False)
     for key in ("step", "epoch", "tokens"):
