@@ -369,14 +369,27 @@ def settings_description(settings: dict) -> str:
     return ", ".join(part for part in parts if part)
 
 
+def verification_cost_report(target, token_counts: list[int], layer_ids: list[int], output_dir: Path) -> str:
+    """Measure one target forward over each of `token_counts` new tokens (`calibration.verification_cost`), write
+    `verification-cost.json` and `verification-cost.md` to `output_dir`, and return the markdown table."""
+    costs = verification_cost(target, token_counts, layer_ids=layer_ids)
+    machine, dtype = machine_description(target.device), str(target.dtype).removeprefix("torch.")
+    table = (f"Measured on {machine}, {dtype}, {torch.get_num_threads()} torch threads.\n\n"
+             "| tokens verified | ms | x one decode step |\n|---|---|---|\n"
+             + "".join(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |\n"
+                       for n, seconds in costs.items()))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = {"machine": machine, "dtype": dtype, "torch_threads": torch.get_num_threads(), "seconds": costs}
+    (output_dir / "verification-cost.json").write_text(json.dumps(record, indent=1))
+    (output_dir / "verification-cost.md").write_text(table)
+    return table
+
+
 def _run(args: argparse.Namespace) -> None:
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
-        costs = verification_cost(target, args.verification_cost, layer_ids=draft.config.target_layer_ids)
-        print(f"{machine_description(target.device)}, {args.dtype}, {torch.get_num_threads()} torch threads")
-        print("| tokens verified | ms | x one decode step |\n|---|---|---|")
-        for n, seconds in costs.items():
-            print(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |")
+        print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output)))
+        print(f"wrote {args.output}/verification-cost.json, verification-cost.md")
         return
     prompt_sets = {name: load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
                    for name in args.prompts}
@@ -416,13 +429,16 @@ def register_cli(subparsers) -> None:
                              "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "
                              "greedy outputs bit-identical to plain on CPU)")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--repetitions", type=int, default=3,
+                        help="timed runs of every method on every prompt (interleaved; the median counts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--tree-depth", type=int)
-    parser.add_argument("--tree-top-k", type=int)
-    parser.add_argument("--tree-total-tokens", type=int)
+    parser.add_argument("--tree-depth", type=int, help="depth of the `tree` and `chain` methods (default: the draft's)")
+    parser.add_argument("--tree-top-k", type=int, help="top-k of the `tree` method (default: the draft's)")
+    parser.add_argument("--tree-total-tokens", type=int,
+                        help="drafted tokens of the `tree` method (default: the draft's)")
     parser.add_argument("--verification-cost", type=int, nargs="+", metavar="N",
-                        help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64) and exit")
-    parser.add_argument("--output", default="bench-results")
+                        help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64), write "
+                             "verification-cost.json / .md to --output, and exit")
+    parser.add_argument("--output", default="bench-results", help="directory for the results")
     parser.set_defaults(run=_run)
