@@ -37,12 +37,13 @@ from .modeling_eagle3 import Eagle3DraftModel
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
 
-def compiled_plain_kwargs() -> dict:
+def compiled_plain_kwargs(max_cache_len: int | None = None) -> dict:
     """`generate` settings for plain decoding with a static cache and `torch.compile`, transformers' own way
-    (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`)."""
+    (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`). A `max_cache_len`
+    that fits every prompt gives every call the same cache shape: one compilation for the whole benchmark."""
     compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
     compile_config._compile_all_devices = True
-    return {"cache_implementation": "static", "compile_config": compile_config}
+    return {"cache_implementation": "static", "compile_config": compile_config, "max_cache_len": max_cache_len}
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,13 @@ class Method:
         return "tree_top_k" in self.generate_kwargs or "tree_shape" in self.generate_kwargs
 
 
-def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: int) -> list[Method]:
+def methods_from_names(
+    names: list[str], depth: int, top_k: int, total_tokens: int, max_cache_len: int | None = None
+) -> list[Method]:
     """`plain`, `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
     (the fixed shape `depth` x `top_k` x `total_tokens`), `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or
-    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays). An
+    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays);
+    `compiled` sizes its static cache to `max_cache_len` tokens. An
     EAGLE-3 method decodes with the draft's `ngram_candidates` setting; the suffix `+ngram` puts context n-gram
     candidates in its trees, `-ngram` leaves them out, and `+exact` verifies with `exact_attention=True` (suffixes in
     that order)."""
@@ -77,7 +81,7 @@ def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: i
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
         elif name == "compiled":
-            methods.append(Method(name, compiled_plain_kwargs()))
+            methods.append(Method(name, compiled_plain_kwargs(max_cache_len)))
         elif eagle3_name == "auto":
             methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact} | ngram))
         elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
@@ -365,21 +369,35 @@ def settings_description(settings: dict) -> str:
     return ", ".join(part for part in parts if part)
 
 
+def verification_cost_report(target, token_counts: list[int], layer_ids: list[int], output_dir: Path) -> str:
+    """Measure one target forward over each of `token_counts` new tokens (`calibration.verification_cost`), write
+    `verification-cost.json` and `verification-cost.md` to `output_dir`, and return the markdown table."""
+    costs = verification_cost(target, token_counts, layer_ids=layer_ids)
+    machine, dtype = machine_description(target.device), str(target.dtype).removeprefix("torch.")
+    table = (f"Measured on {machine}, {dtype}, {torch.get_num_threads()} torch threads.\n\n"
+             "| tokens verified | ms | x one decode step |\n|---|---|---|\n"
+             + "".join(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |\n"
+                       for n, seconds in costs.items()))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = {"machine": machine, "dtype": dtype, "torch_threads": torch.get_num_threads(), "seconds": costs}
+    (output_dir / "verification-cost.json").write_text(json.dumps(record, indent=1))
+    (output_dir / "verification-cost.md").write_text(table)
+    return table
+
+
 def _run(args: argparse.Namespace) -> None:
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
-        costs = verification_cost(target, args.verification_cost, layer_ids=draft.config.target_layer_ids)
-        print(f"{machine_description(target.device)}, {args.dtype}, {torch.get_num_threads()} torch threads")
-        print("| tokens verified | ms | x one decode step |\n|---|---|---|")
-        for n, seconds in costs.items():
-            print(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |")
+        print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output)))
+        print(f"wrote {args.output}/verification-cost.json, verification-cost.md")
         return
-    methods = methods_from_names(
-        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
-        args.tree_total_tokens or draft.config.tree_total_tokens,
-    )
     prompt_sets = {name: load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
                    for name in args.prompts}
+    longest = max(prompt.shape[1] for prompts in prompt_sets.values() for prompt in prompts) + args.max_new_tokens
+    methods = methods_from_names(
+        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
+        args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest,
+    )
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
     output_dir = Path(args.output)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -405,17 +423,22 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
     parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
-                        help="plain (first), prompt-lookup, chain, tree (the draft's fixed defaults), "
-                             "tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this machine); EAGLE-3 methods may "
-                             "end in +exact (exact_attention=True: greedy outputs bit-identical to plain on CPU)")
+                        help="plain (first), prompt-lookup, compiled (static cache + torch.compile), chain, tree (the "
+                             "draft's fixed defaults), tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this "
+                             "machine); EAGLE-3 methods may end in +ngram / -ngram (context n-gram candidates in the "
+                             "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "
+                             "greedy outputs bit-identical to plain on CPU)")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--repetitions", type=int, default=3,
+                        help="timed runs of every method on every prompt (interleaved; the median counts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--tree-depth", type=int)
-    parser.add_argument("--tree-top-k", type=int)
-    parser.add_argument("--tree-total-tokens", type=int)
+    parser.add_argument("--tree-depth", type=int, help="depth of the `tree` and `chain` methods (default: the draft's)")
+    parser.add_argument("--tree-top-k", type=int, help="top-k of the `tree` method (default: the draft's)")
+    parser.add_argument("--tree-total-tokens", type=int,
+                        help="drafted tokens of the `tree` method (default: the draft's)")
     parser.add_argument("--verification-cost", type=int, nargs="+", metavar="N",
-                        help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64) and exit")
-    parser.add_argument("--output", default="bench-results")
+                        help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64), write "
+                             "verification-cost.json / .md to --output, and exit")
+    parser.add_argument("--output", default="bench-results", help="directory for the results")
     parser.set_defaults(run=_run)

@@ -14,6 +14,7 @@ from hf_eagle3.bench import (
     plot_summary,
     run_benchmark,
     save_plots,
+    verification_cost_report,
 )
 
 
@@ -37,9 +38,11 @@ def test_methods_from_names():
 
 
 def test_peer_and_hybrid_method_names():
-    methods = methods_from_names(["plain", "compiled", "tree+ngram", "auto-ngram", "tree:3x2x5+ngram+exact"], 4, 3, 12)
+    methods = methods_from_names(["plain", "compiled", "tree+ngram", "auto-ngram", "tree:3x2x5+ngram+exact"], 4, 3, 12,
+                                 max_cache_len=300)
     compiled = methods[1].generate_kwargs
     assert compiled["cache_implementation"] == "static" and compiled["compile_config"]._compile_all_devices
+    assert compiled["max_cache_len"] == 300
     assert not methods[1].is_eagle3
     assert methods[2].generate_kwargs == methods_from_names(["plain", "tree"], 4, 3, 12)[1].generate_kwargs | {
         "ngram_candidates": True}
@@ -159,3 +162,12 @@ def test_plot_shows_labelled_bars_on_integer_axes_from_zero_with_the_settings_in
         # a method keeps its colour in every panel
         tree_colour = speed.patches[2].get_facecolor()
         assert alpha.patches[4].get_facecolor() == tree_colour == lengths.patches[len(emitted)].get_facecolor()
+
+
+def test_verification_cost_is_written_to_the_output_directory(llama_target, tmp_path):
+    table = verification_cost_report(llama_target, [1, 4], [2, 4, 6], tmp_path / "results")
+    record = json.loads((tmp_path / "results" / "verification-cost.json").read_text())
+    assert set(record["seconds"]) == {"1", "4"} and all(seconds > 0 for seconds in record["seconds"].values())
+    assert record["dtype"] == "float32" and record["torch_threads"] >= 1 and record["machine"]
+    assert (tmp_path / "results" / "verification-cost.md").read_text() == table
+    assert "| 4 |" in table and table.startswith("Measured on ")
