@@ -370,7 +370,9 @@ def eagle3_decoding(
             continuation, match = (
                 find_continuation(input_ids[0], max_match, max_continuation) if use_continuations else (None, 0)
             )
-            log_rates = continuation_acceptance.log_rates(match, continuation.numel()) if match else None
+            log_rates = (
+                continuation_acceptance.log_rates(match, continuation.numel(), continuation.device) if match else None
+            )
             proposal = drafter.draft_tree(input_ids[0, -1], root_position, continuation, log_rates)
         tree = proposal.tree
         with stopwatch.time("verify_seconds"), attention.verifying(model, tree, prefix_visible.numel()):
