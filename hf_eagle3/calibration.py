@@ -120,13 +120,16 @@ def profile_shapes(profile: list[dict], ngram_candidates: bool | None = None) ->
 
 
 def predict(profile: list[dict], costs: MachineCosts, ngram_candidates: bool = False) -> list[ShapePrediction]:
-    """The predicted speed on the measured machine of every shape profiled with `ngram_candidates` (or, when the
-    profile has no such rows, without context candidates: a lower bound on their τ), fastest first."""
-    shapes = profile_shapes(profile, ngram_candidates) or profile_shapes(profile, False)
+    """The predicted speed on the measured machine of every profiled shape, fastest first. With `ngram_candidates`,
+    a shape's τ is the one profiled with context candidates in the tree, or, for shapes profiled only without them,
+    that one (a lower bound: the candidates share the same token budget)."""
+    taus = dict(profile_shapes(profile, False))
+    if ngram_candidates:
+        taus |= dict(profile_shapes(profile, True))
     predictions = [
         ShapePrediction(shape, tau, costs.draft[shape.depth, shape.top_k] + costs.verify[shape.total_tokens + 1]
                         + costs.other)
-        for shape, tau in shapes
+        for shape, tau in taus.items()
     ]
     return sorted(predictions, key=lambda prediction: -prediction.tokens_per_second)
 
@@ -292,7 +295,8 @@ def choose_tree(target, draft: Eagle3DraftModel, ngram_candidates: bool = False)
     predictions = predict(draft.config.acceptance_profile, costs, ngram_candidates)
     best = predictions[0]
     speedup = best.tokens_per_second * costs.plain_step
-    shape = f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"
+    shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"
+             + (", context n-gram candidates" if ngram_candidates else ""))
     measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads: a decode step takes "
                 f"{1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
                 f"{1000 * costs.verify[best.settings.total_tokens + 1]:.1f} ms, drafting "

@@ -135,8 +135,8 @@ class Eagle3Config(PreTrainedConfig):
             `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}` row per shape, estimated from greedy decoding of
             calibration prompts (`hf-eagle3 tune-tree --save-to`); rows with `"ngram_candidates": true` were measured
             with context n-gram candidates in the tree. It does not depend on the hardware; `tree_shape="auto"`
-            combines the rows of the call's `ngram_candidates` setting (else those without) with the machine's
-            measured costs.
+            combines the rows of the call's `ngram_candidates` setting (for shapes profiled only without context
+            candidates, those rows: a lower bound) with the machine's measured costs.
         converted_from (`dict`, *optional*):
             Set by `hf-eagle3 convert` (and by `from_pretrained` on a foreign checkpoint) when the draft was converted
             from another project's format: `{"format": ..., "notes": [...]}`, the notes stating every reading chosen
