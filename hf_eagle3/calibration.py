@@ -287,12 +287,20 @@ def calibrate(target, draft: Eagle3DraftModel) -> tuple[MachineCosts, Path]:
     return costs, path
 
 
-def choose_tree(target, draft: Eagle3DraftModel, ngram_candidates: bool = False) -> TreeChoice:
+def choose_tree(target, draft: Eagle3DraftModel, ngram_candidates: bool | None = None) -> TreeChoice:
     """The predicted-fastest tree shape for `target` and `draft` on this machine, with context n-gram candidates in
-    the tree or without, or none (decode plainly) when no shape is predicted to beat plain decoding by
-    `MIN_PREDICTED_SPEEDUP`."""
+    the tree or without (default: the draft's `ngram_candidates`), or none (decode plainly) when no shape is
+    predicted to beat plain decoding by `MIN_PREDICTED_SPEEDUP`."""
+    if ngram_candidates is None:
+        ngram_candidates = draft.config.ngram_candidates
     costs, _ = calibrate(target, draft)
     predictions = predict(draft.config.acceptance_profile, costs, ngram_candidates)
+    if not predictions:
+        raise ValueError(
+            "tree_shape='auto' without context n-gram candidates needs acceptance-profile rows measured without them; "
+            "this draft's were all measured with them: run `hf-eagle3 tune-tree --no-ngram-candidates --save-to DIR`, "
+            "or pass ngram_candidates=True or tree_depth / tree_top_k / tree_total_tokens."
+        )
     best = predictions[0]
     speedup = best.tokens_per_second * costs.plain_step
     shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"

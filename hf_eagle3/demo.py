@@ -44,7 +44,7 @@ def run_demo(
         target, tokenizer = load_target("smollm2", DTYPES[name])
         draft = load_draft("shipped", DTYPES[name])
         models[name] = (target, draft)
-        choices[name] = choose_tree(target, draft, draft.config.ngram_candidates)
+        choices[name] = choose_tree(target, draft)
 
     def predicted_tokens_per_second(choice: TreeChoice) -> float:
         return choice.predicted_speedup / choice.costs.plain_step

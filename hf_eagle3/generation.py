@@ -443,7 +443,7 @@ def _resolve_tree_shape(model, draft: Eagle3DraftModel, eagle3_kwargs: dict) -> 
         return settings
     if explicit:
         raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(explicit)} or tree_shape.")
-    choice = choose_tree(model, draft, bool(settings.get("ngram_candidates", draft.config.ngram_candidates)))
+    choice = choose_tree(model, draft, settings.get("ngram_candidates"))
     if choice.settings is None:
         return settings | {"tree_depth": None, "shape_choice": choice.reason}
     shape = choice.settings

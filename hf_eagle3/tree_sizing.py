@@ -56,15 +56,18 @@ def accepted_in_smaller_trees(
 
 def acceptance_profile(
     target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
-    max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool = False,
+    max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool | None = None,
 ) -> list[dict]:
     """τ of every tree shape up to `max_depth` x `max_total` for each top-k in `top_ks`, from one greedy run per
     top-k with its largest tree over `prompts`: rows `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}`
     (`Eagle3Config.acceptance_profile`), with `"ngram_candidates": True` for trees holding context continuations
-    (whose acceptance rates the smaller trees take from the largest tree's run). Shapes with more nodes than their
+    (`ngram_candidates`, by default the draft's setting; the smaller trees take the continuations' acceptance rates
+    from the largest tree's run). Shapes with more nodes than their
     depth has candidates are left out (the same tree as a smaller size)."""
     from tqdm.auto import tqdm
 
+    if ngram_candidates is None:
+        ngram_candidates = draft.config.ngram_candidates
     depths = list(range(1, max_depth + 1))
     rows = []
     for top_k in top_ks:
@@ -99,10 +102,12 @@ def acceptance_profile(
 
 def tune_tree(
     target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
-    max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool = False,
+    max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool | None = None,
 ) -> tuple[list[dict], list[ShapePrediction], MachineCosts]:
     """The acceptance profile over `prompts` (see `acceptance_profile`), this machine's costs (measured now, see
     `calibration.measure_costs`), and every shape's predicted speed, fastest first."""
+    if ngram_candidates is None:
+        ngram_candidates = draft.config.ngram_candidates
     profile = acceptance_profile(target, draft, prompts, top_ks, max_depth, max_total, max_new_tokens, progress,
                                  ngram_candidates)
     costs = measure_costs(target, draft, profile)
@@ -121,10 +126,11 @@ def markdown_table(predictions: list[ShapePrediction], costs: MachineCosts, limi
 
 def _run(args: argparse.Namespace) -> None:
     target, tokenizer, draft = load_models(args)
+    ngram_candidates = draft.config.ngram_candidates if args.ngram_candidates is None else args.ngram_candidates
     prompts = [p for name in args.prompts
                for p in load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)]
     profile, predictions, costs = tune_tree(target, draft, prompts, args.top_k, args.max_depth, args.max_total,
-                                            args.max_new_tokens, ngram_candidates=args.ngram_candidates)
+                                            args.max_new_tokens, ngram_candidates=ngram_candidates)
     print(f"measured on {costs.machine}, {args.dtype}, {torch.get_num_threads()} threads: "
           f"decode step {1000 * costs.plain_step:.1f} ms")
     print(markdown_table(predictions, costs))
@@ -139,12 +145,12 @@ def _run(args: argparse.Namespace) -> None:
         Path(args.output).write_text(json.dumps({"machine": costs.machine, "shapes": rows}, indent=1))
     if args.save_to:
         print(save_tuned_draft(draft, profile, predictions, costs, args.save_to, stored_dtype(args.draft),
-                               args.ngram_candidates))
+                               ngram_candidates))
 
 
 def save_tuned_draft(draft: Eagle3DraftModel, profile: list[dict], predictions: list[ShapePrediction],
                      costs: MachineCosts, directory: str | Path, dtype: torch.dtype,
-                     ngram_candidates: bool = False) -> str:
+                     ngram_candidates: bool = True) -> str:
     """Save `draft` as `dtype` (the dtype it is stored in, whatever dtype it was measured in) with its acceptance
     `profile` (measured with `ngram_candidates`, which becomes its default; the rows of the other setting are kept)
     and `tree_shape="auto"`, so that every machine picks its own shape. This machine's fastest shape becomes
@@ -186,9 +192,9 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--max-depth", type=int, default=PROFILE_MAX_DEPTH, help="deepest tree to try")
     parser.add_argument("--max-total", type=int, default=PROFILE_MAX_TOTAL,
                         help="largest number of drafted tokens to try")
-    parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=False,
-                        help="profile trees holding context n-gram continuations (`ngram_candidates`); --save-to then "
-                             "makes it the draft's default")
+    parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=None,
+                        help="profile trees with context n-gram continuations or without (`ngram_candidates`; default: "
+                             "the draft's setting); --save-to then makes it the draft's default")
     parser.add_argument("--output", help="write every shape's figures to this JSON file")
     parser.add_argument("--save-to", help="save the draft, in the dtype it is stored in, with its acceptance profile "
                                           "and tree_shape='auto' (and this machine's best shape as fixed defaults, "

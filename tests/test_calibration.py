@@ -119,18 +119,20 @@ def test_auto_needs_an_acceptance_profile(cache, llama_target, fitted_draft):
 
 
 def test_auto_reads_the_profile_rows_of_the_calls_ngram_setting(cache, llama_target, auto_draft):
+    free_costs = dict(verify=lambda verify: {n: 1e-4 for n in verify},
+                      draft=lambda draft: [[depth, top_k, 0.0] for depth, top_k, _ in draft], other=lambda other: 0.0)
+    assert all(row["ngram_candidates"] for row in auto_draft.config.acceptance_profile)  # the draft's default
+    with pytest.raises(ValueError, match="tune-tree --no-ngram-candidates"):
+        llama_target.generate(PROMPT, max_new_tokens=4, assistant_model=auto_draft, ngram_candidates=False)
+    # Rows without the candidates stand in for shapes the candidates' rows lack (a lower bound), and lose to them
+    draft_only = [{name: value for name, value in row.items() if name != "ngram_candidates"}
+                  for row in auto_draft.config.acceptance_profile]
+    smallest = min(draft_only, key=lambda row: row["tree_total_tokens"])
+    auto_draft.config.acceptance_profile = draft_only + [smallest | {"tau": 50.0, "ngram_candidates": True}]
     _, path = calibrate(llama_target, auto_draft)
-    _rewrite_costs(path, verify=lambda verify: {n: 1e-4 for n in verify},
-                   draft=lambda draft: [[depth, top_k, 0.0] for depth, top_k, _ in draft], other=lambda other: 0.0)
-    without = choose_tree(llama_target, auto_draft, ngram_candidates=True)  # no such rows: the others, a lower bound
-    assert without.settings == choose_tree(llama_target, auto_draft).settings
-    smallest = min(auto_draft.config.acceptance_profile, key=lambda row: row["tree_total_tokens"])
-    auto_draft.config.acceptance_profile = auto_draft.config.acceptance_profile + [smallest | {
-        "tau": 50.0, "ngram_candidates": True}]
-    _, path = calibrate(llama_target, auto_draft)  # another config: measured again
-    _rewrite_costs(path, verify=lambda verify: {n: 1e-4 for n in verify},
-                   draft=lambda draft: [[depth, top_k, 0.0] for depth, top_k, _ in draft], other=lambda other: 0.0)
-    choice = choose_tree(llama_target, auto_draft, ngram_candidates=True)
+    _rewrite_costs(path, **free_costs)
+    choice = choose_tree(llama_target, auto_draft)
     assert (choice.settings.depth, choice.settings.top_k, choice.settings.total_tokens) == (
         smallest["tree_depth"], smallest["tree_top_k"], smallest["tree_total_tokens"])
-    assert choose_tree(llama_target, auto_draft).predictions[0].tau < 50.0
+    assert len(choice.predictions) == len(draft_only)
+    assert choose_tree(llama_target, auto_draft, ngram_candidates=False).predictions[0].tau < 50.0

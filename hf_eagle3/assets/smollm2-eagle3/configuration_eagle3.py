@@ -120,7 +120,7 @@ class Eagle3Config(PreTrainedConfig):
             predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
             cached; see `hf_eagle3.calibration`), or plainly (without running the draft) when no shape is predicted
             to beat plain decoding. Passing any tree setting to `generate` decodes with that fixed shape.
-        ngram_candidates (`bool`, *optional*, defaults to `False`):
+        ngram_candidates (`bool`, *optional*, defaults to `True`):
             Merge a context n-gram continuation into every draft tree (`hf_eagle3.ngram`): the tokens that followed
             the latest occurrence of the last `ngram_max_match` (or fewer) tokens in the prompt and the text generated
             so far, ranked against the draft's own candidates by an acceptance rate learnt during the call, within the
@@ -193,7 +193,7 @@ class Eagle3Config(PreTrainedConfig):
     tree_top_k: int = 8
     tree_total_tokens: int = 60
     tree_shape: str = "fixed"
-    ngram_candidates: bool = False
+    ngram_candidates: bool = True
     ngram_max_match: int = 3
     ngram_max_tokens: int = 10
     acceptance_profile: list[dict] | None = None
