@@ -6,8 +6,6 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
-from hf_eagle3.generation import recording_greedy_cycles
-
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
@@ -180,8 +178,7 @@ def test_statistics_describe_the_call(llama_target, fitted_draft):
     assert min(stats.draft_seconds, stats.verify_seconds, stats.other_seconds, stats.prefill_seconds) > 0
     assert stats.greedy_cycles == []  # kept only on request: a long generation does not hold every tree
 
-    with recording_greedy_cycles():
-        _eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, **TREE)
+    _eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, record_greedy_cycles=True, **TREE)
     cycles = fitted_draft.generation_stats.greedy_cycles
     assert [path.numel() for _, path in cycles] == fitted_draft.generation_stats.acceptance_lengths
 
@@ -214,11 +211,6 @@ def test_unsupported_settings_raise(llama_target, kwargs, message):
     kwargs = dict(do_sample=False, max_new_tokens=5) | kwargs
     with pytest.raises(ValueError, match=message):
         llama_target.generate(PROMPTS[0], assistant_model=tiny_draft(), **kwargs)
-
-
-def test_batches_raise(llama_target):
-    with pytest.raises(ValueError, match="batch size 1"):
-        _eagle(llama_target, tiny_draft(), torch.randint(1, VOCAB, (2, 5)), max_new_tokens=5)
 
 
 def test_static_cache_raises(llama_target):
