@@ -40,6 +40,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
@@ -288,21 +289,27 @@ def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> 
         layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
 class _TargetDistribution:
-    """The target's processed next-token scores at tree nodes, exactly as plain decoding would compute them."""
+    """The target's processed next-token scores at tree nodes of row `row` of a batch of `batch_size`, exactly as plain
+    decoding would compute them. Processors may hold per-row state (a left-padded row's prompt length, ...), so the
+    row's prefix goes through them at its own index, in a batch of copies of it."""
 
-    def __init__(self, logits_processor, input_ids: torch.Tensor, tree: DraftTree, logits: torch.Tensor):
+    def __init__(self, logits_processor, input_ids: torch.Tensor, tree: DraftTree, logits: torch.Tensor, row: int,
+                 batch_size: int):
         self.logits_processor, self.input_ids, self.tree, self.logits = logits_processor, input_ids, tree, logits
+        self.row, self.batch_size = row, batch_size
 
     def scores(self, path: list[int]) -> torch.Tensor:
         """`[V]` processed scores after the last node of `path` (root first), given the prefix and the path."""
         path_tokens = self.tree.tokens[path[1:]][None]
-        prefix = torch.cat([self.input_ids, path_tokens], dim=-1)
-        return self.logits_processor(prefix, self.logits[path[-1]][None].float())[0]
+        prefix = torch.cat([self.input_ids, path_tokens], dim=-1).expand(self.batch_size, -1)
+        node_logits = self.logits[path[-1]][None].float().repeat(self.batch_size, 1)
+        return self.logits_processor(prefix, node_logits)[self.row]
 
 
 def _accept(proposal: DraftProposal, logits: torch.Tensor, input_ids, logits_processor, do_sample: bool,
-            draft_to_target: torch.Tensor):
-    """Verify the proposal's tree given the target's raw logits `[N + 1, V]` at its nodes.
+            draft_to_target: torch.Tensor, row: int = 0, batch_size: int = 1):
+    """Verify the proposal's tree given the target's raw logits `[N + 1, V]` at its nodes; `input_ids` `[1, L]` is
+    row `row`'s sequence in a batch of `batch_size`.
 
     Returns `(path, bonus_token, scores)`: accepted node indices (root first) `[m]`, the bonus token `[1]`, and the
     processed scores `[m, V]` that produced the `m` emitted tokens.
@@ -314,7 +321,7 @@ def _accept(proposal: DraftProposal, logits: torch.Tensor, input_ids, logits_pro
         path = greedy_accept(tree, target_choices)
         return path, target_choices[path[-1], None], logits[path].float()
 
-    target = _TargetDistribution(logits_processor, input_ids, tree, logits)
+    target = _TargetDistribution(logits_processor, input_ids, tree, logits, row, batch_size)
     path, path_scores = [0], []
     while True:
         scores = target.scores(path)
@@ -607,7 +614,7 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
         for index, (b, proposal) in enumerate(zip(in_batch, proposals)):
             logits = outputs.logits[index]  # [n, V], model dtype: argmax is exact, float32 only where scores are kept
             path, bonus, path_scores = _accept(proposal, logits, rows[b].tokens[None], logits_processor, do_sample,
-                                               rows[b].drafter.draft_to_target)
+                                               rows[b].drafter.draft_to_target, b, batch_size)
             rows[b].accepted(proposal, path, record_cycles)
             pending.append((torch.cat([proposal.tree.tokens[path[1:]], bonus]), path_scores, logits[path].float()))
             paths.append(path)
@@ -650,16 +657,38 @@ def _right_padded(tokens: torch.Tensor, length: int, pad_token: torch.Tensor | N
     return torch.cat([tokens, pad_token.to(tokens).expand(length - tokens.numel())])
 
 
+def _with_stop_string_criteria(model, arguments: dict) -> dict:
+    """`generate`'s keyword arguments (`arguments`, as bound, `kwargs` flattened) with the call's stop strings turned
+    into a `StopStringCriteria`: transformers 5.24 does not hand the tokenizer to a `custom_generate` callable's
+    stopping criteria (it builds them without, and refuses stop strings), so they are built here, as `generate`
+    builds them."""
+    arguments = dict(arguments)
+    arguments.update(arguments.pop("kwargs", {}))
+    tokenizer = arguments.get("tokenizer")
+    config = arguments.get("generation_config") or model.generation_config
+    stop_strings = arguments["stop_strings"] if "stop_strings" in arguments else config.stop_strings
+    if tokenizer is None or not stop_strings:
+        return arguments
+    criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    return arguments | {"stopping_criteria": criteria, "stop_strings": None}
+
+
 def _wrap_generate(original):
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         arguments = signature.bind(self, *args, **kwargs).arguments  # generate's own TypeError on a bad call
-        draft = arguments.get("assistant_model")
+        draft, custom_generate = arguments.get("assistant_model"), arguments.get("custom_generate")
+        if isinstance(custom_generate, str):  # a repository's generate: it receives every argument itself
+            return original(self, *args, **kwargs)
         if not isinstance(draft, Eagle3DraftModel):
+            if custom_generate is eagle3_generate:
+                arguments = {name: value for name, value in arguments.items() if name != "self"}
+                return original(self, **_with_stop_string_criteria(self, arguments))
             passed = sorted(name for name in EAGLE3_KWARGS if name in kwargs)
-            if passed and arguments.get("custom_generate") is not eagle3_generate:
+            if passed:
                 raise TypeError(f"{passed} only apply with an Eagle3DraftModel as assistant_model.")
             return original(self, *args, **kwargs)
         ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if name in kwargs)
@@ -670,15 +699,14 @@ def _wrap_generate(original):
             )
         if "assistant_tokenizer" in kwargs:
             raise ValueError("An Eagle3DraftModel shares the target's tokenizer: drop assistant_tokenizer.")
-        if arguments.get("custom_generate") is not None:
+        if custom_generate is not None:
             raise ValueError(
                 "assistant_model=<Eagle3DraftModel> decodes with hf_eagle3's own custom_generate: drop custom_generate."
             )
         arguments = {name: value for name, value in arguments.items() if name not in ("self", "assistant_model")}
         streamer = arguments.pop("streamer", None)  # not passed to a custom_generate callable: handed over by name
-        extra = arguments.pop("kwargs", {})
-        return original(self, **arguments, **extra, custom_generate=eagle3_generate, draft=draft,
-                        eagle3_streamer=streamer)
+        return original(self, **_with_stop_string_criteria(self, arguments), custom_generate=eagle3_generate,
+                        draft=draft, eagle3_streamer=streamer)
 
     return generate
 
