@@ -1,14 +1,16 @@
 """EAGLE-3 speculative decoding for Hugging Face transformers.
 
 Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Auto classes and lets
-`target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`.
+`target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`;
+`target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)` runs the same loop through transformers'
+`custom_generate` extension point.
 """
 
 from transformers import AutoConfig, AutoModel
 
 from .compatibility import check_compatibility, check_transformers_version
 from .configuration_eagle3 import Eagle3Config
-from .generation import Eagle3GenerationStats, install
+from .generation import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
 from .modeling_eagle3 import Eagle3DraftModel
 
 check_transformers_version()
@@ -21,4 +23,12 @@ Eagle3DraftModel.register_for_auto_class("AutoModel")
 install()
 
 __version__ = "0.1.0"
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "Eagle3GenerationStats", "check_compatibility"]
+__all__ = [
+    "Eagle3Config",
+    "Eagle3DraftModel",
+    "Eagle3GenerateOutput",
+    "Eagle3GenerationStats",
+    "Eagle3RowStats",
+    "check_compatibility",
+    "eagle3_generate",
+]

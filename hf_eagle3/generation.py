@@ -588,7 +588,8 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
         if len(decoding) < len(in_batch):  # rows that are done leave the batch
             index = torch.tensor(decoding, device=device)
             cache.batch_select_indices(index)
-            prefix_visible, key_positions, root_positions = prefix_visible[index], key_positions[index], root_positions[index]
+            prefix_visible, key_positions = prefix_visible[index], key_positions[index]
+            root_positions = root_positions[index]
             in_batch = [in_batch[i] for i in decoding]
 
         with stopwatch.time("draft_seconds"):
