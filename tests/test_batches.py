@@ -142,7 +142,9 @@ def test_logits_processors_and_context_candidates_on_batches(llama_target, fitte
     assert torch.equal(out.sequences, expected)
 
 
-def test_sampling_keeps_every_rows_exact_distribution(target, draft):
+@pytest.mark.parametrize("shape", [dict(tree_depth=3, tree_top_k=3, tree_total_tokens=8), dict(tree_depth=3, tree_top_k=1)],
+                         ids=["tree", "sampled-chain"])
+def test_sampling_keeps_every_rows_exact_distribution(target, draft, shape):
     # test_sampling's peaked target and its draft, over test_sampling's vocabulary
     prompts = [torch.tensor([5, 17, 3, 9]), torch.tensor([11, 2])]
     batch = dict(input_ids=torch.tensor([[5, 17, 3, 9], [PAD, PAD, 11, 2]]),
@@ -153,14 +155,13 @@ def test_sampling_keeps_every_rows_exact_distribution(target, draft):
     accepted = 0
     for _ in range(SAMPLES):
         out = target.generate(**batch, do_sample=True, max_new_tokens=3, top_k=settings["top_k"],
-                              temperature=settings["temperature"], pad_token_id=PAD, assistant_model=draft,
-                              tree_depth=3, tree_top_k=3, tree_total_tokens=8)
+                              temperature=settings["temperature"], pad_token_id=PAD, assistant_model=draft, **shape)
         for row in range(2):
             counts[(row, *out[row, 4:].tolist())] += 1
-        accepted += sum(draft.generation_stats.acceptance_lengths)
+        accepted += sum(length - 1 for length in draft.generation_stats.acceptance_lengths)
     for row, prompt in enumerate(prompts):
         assert _chi_square_p_value(counts[row], _exact_joint(target, settings, prompt[None])) > 1e-3, row
-    assert accepted > 0  # the rows went through verification
+    assert accepted > 0  # drafted tokens were accepted: the acceptance rule, not only the bonus token, was sampled
 
 
 def test_exact_attention_refuses_a_batch(llama_target, fitted_draft):
