@@ -1,7 +1,8 @@
 """EAGLE-3 speculative decoding for Hugging Face transformers.
 
 Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Auto classes and lets
-`target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`;
+`target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`, also inside
+`pipeline("text-generation", model=target, assistant_model=draft)` (the draft, or its path or Hub id);
 `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)` runs the same loop through transformers'
 `custom_generate` extension point.
 """
@@ -12,6 +13,7 @@ from .compatibility import check_compatibility, check_transformers_version
 from .configuration_eagle3 import Eagle3Config
 from .generation import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
 from .modeling_eagle3 import Eagle3DraftModel
+from .pipelines import install as install_pipeline_support
 
 check_transformers_version()
 
@@ -21,6 +23,7 @@ AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
 Eagle3Config.register_for_auto_class()
 Eagle3DraftModel.register_for_auto_class("AutoModel")
 install()
+install_pipeline_support()
 
 __version__ = "0.1.0"
 __all__ = [

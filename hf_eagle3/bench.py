@@ -37,12 +37,13 @@ from .modeling_eagle3 import Eagle3DraftModel
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
 
-def compiled_plain_kwargs() -> dict:
+def compiled_plain_kwargs(max_cache_len: int | None = None) -> dict:
     """`generate` settings for plain decoding with a static cache and `torch.compile`, transformers' own way
-    (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`)."""
+    (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`). A `max_cache_len`
+    that fits every prompt gives every call the same cache shape: one compilation for the whole benchmark."""
     compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
     compile_config._compile_all_devices = True
-    return {"cache_implementation": "static", "compile_config": compile_config}
+    return {"cache_implementation": "static", "compile_config": compile_config, "max_cache_len": max_cache_len}
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,13 @@ class Method:
         return "tree_top_k" in self.generate_kwargs or "tree_shape" in self.generate_kwargs
 
 
-def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: int) -> list[Method]:
+def methods_from_names(
+    names: list[str], depth: int, top_k: int, total_tokens: int, max_cache_len: int | None = None
+) -> list[Method]:
     """`plain`, `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
     (the fixed shape `depth` x `top_k` x `total_tokens`), `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or
-    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays). An
+    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays);
+    `compiled` sizes its static cache to `max_cache_len` tokens. An
     EAGLE-3 method decodes with the draft's `ngram_candidates` setting; the suffix `+ngram` puts context n-gram
     candidates in its trees, `-ngram` leaves them out, and `+exact` verifies with `exact_attention=True` (suffixes in
     that order)."""
@@ -77,7 +81,7 @@ def methods_from_names(names: list[str], depth: int, top_k: int, total_tokens: i
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
         elif name == "compiled":
-            methods.append(Method(name, compiled_plain_kwargs()))
+            methods.append(Method(name, compiled_plain_kwargs(max_cache_len)))
         elif eagle3_name == "auto":
             methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact} | ngram))
         elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
@@ -266,56 +270,134 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_plots(summary: dict, output_dir: Path) -> None:
+def save_plots(summary: dict, output_dir: Path, settings: dict | None = None) -> None:
+    """Write `bench.png` ([`plot_summary`])."""
+    import matplotlib.pyplot as plt
+
+    figure = plot_summary(summary, settings)
+    figure.savefig(output_dir / "bench.png", dpi=120)
+    plt.close(figure)
+
+
+def plot_summary(summary: dict, settings: dict | None = None):
+    """One row per prompt set: the speedup of every method over plain `generate`, the acceptance of each drafted
+    position (n-α) and the distribution of tokens per target forward of every EAGLE-3 method, as bars labelled with
+    their values on axes from zero; a method keeps its colour in every panel, and the title names the machine and
+    the settings (`bench.json`'s `settings`). Returns the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
-    set_names = list(summary)
-    method_names = list(next(iter(summary.values())))
-    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    width = 0.8 / len(method_names)
-    for offset, method in enumerate(method_names):
-        speedups = [summary[s][method]["speedup"] for s in set_names]
-        axes[0].bar([i + offset * width for i in range(len(set_names))], speedups, width, label=method)
-    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(set_names))], set_names)
-    axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set(title="Speedup over plain generate (median)", ylabel="x")
-    axes[0].legend(fontsize=8)
-    for set_name in set_names:
-        for method, entry in summary[set_name].items():
-            if entry.get("n_alpha"):
-                rates = entry["n_alpha"]
-                axes[1].plot(range(len(rates)), [r if r is not None else float("nan") for r in rates], marker="o",
-                             label=f"{set_name} / {method}")
-                histogram = entry["accepted_length_histogram"]
-                axes[2].plot(list(histogram), [count / sum(histogram.values()) for count in histogram.values()],
-                             marker=".", label=f"{set_name} / {method}")
-    axes[1].set(title="n-α: acceptance of the n-th drafted token", xlabel="n", ylim=(0, 1))
-    axes[2].set(title="Tokens per target forward (distribution)", xlabel="tokens", ylabel="fraction of cycles")
-    axes[1].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
+    methods = [name for name in dict.fromkeys(name for entries in summary.values() for name in entries)
+               if name != "plain"]
+    colours = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(methods)}
+    figure, axes = plt.subplots(len(summary), 3, figsize=(17, 4.2 * len(summary) + 1.2), squeeze=False)
+    for (speed, alpha, lengths), (set_name, entries) in zip(axes, summary.items()):
+        shown = [name for name in methods if name in entries]
+        labels = {name: _method_label(name, entries[name].get("shapes", [])) for name in shown}
+        speedups = [entries[name]["speedup"] for name in shown]
+        bars = speed.bar(range(len(shown)), speedups, color=[colours[name] for name in shown])
+        speed.bar_label(bars, fmt="%.2fx", fontsize=8, padding=2)
+        speed.axhline(1.0, color="black", lw=0.8, ls="--")
+        speed.annotate("plain", (1, 1.0), xycoords=("axes fraction", "data"), xytext=(3, 0),
+                       textcoords="offset points", va="center", fontsize=8)
+        speed.set_xticks(range(len(shown)), [labels[name] for name in shown], rotation=15, ha="right", fontsize=8)
+        speed.set_ylim(0, max(speedups + [1.0]) * 1.18)
+        speed.set(title=f"{set_name}: speedup over plain generate", xlabel="method",
+                  ylabel="speedup (median over prompts)")
+
+        drafted = [name for name in shown if entries[name].get("n_alpha")]
+        width = 0.8 / max(len(drafted), 1)
+        shift = {name: (offset - (len(drafted) - 1) / 2) * width for offset, name in enumerate(drafted)}
+        positions = max((len(entries[name]["n_alpha"]) for name in drafted), default=0)
+        for name in drafted:
+            rates = entries[name]["n_alpha"]
+            bars = alpha.bar([n + shift[name] for n in range(len(rates))], [rate or 0.0 for rate in rates], width,
+                             color=colours[name], label=labels[name])
+            alpha.bar_label(bars, labels=["-" if rate is None else f"{rate:.2f}" for rate in rates], fontsize=7,
+                            padding=1)
+        alpha.set_xticks(range(positions), [str(n) for n in range(positions)])
+        alpha.set_ylim(0, 1.08)
+        alpha.set(title=f"{set_name}: acceptance of the n-th drafted token (n-α)",
+                  xlabel="drafted position n (0: the first drafted token)",
+                  ylabel="share accepted (when 0..n-1 were)")
+
+        emitted = sorted({int(n) for name in drafted for n in entries[name]["accepted_length_histogram"]})
+        for name in drafted:
+            histogram = {int(n): count for n, count in entries[name]["accepted_length_histogram"].items()}
+            shares = [histogram.get(n, 0) / sum(histogram.values()) for n in emitted]
+            bars = lengths.bar([n + shift[name] for n in emitted], shares, width, color=colours[name],
+                               label=labels[name])
+            lengths.bar_label(bars, labels=[f"{100 * share:.0f}%" if share else "" for share in shares], fontsize=7,
+                              padding=1)
+        lengths.set_xticks(emitted, [str(n) for n in emitted])
+        lengths.yaxis.set_major_formatter(PercentFormatter(1.0))
+        lengths.set_ylim(0, 1.08)
+        lengths.set(title=f"{set_name}: tokens per target forward", ylabel="share of cycles",
+                    xlabel="tokens a cycle emits (accepted drafted tokens + 1)")
+        if drafted:
+            lengths.legend(fontsize=8, loc="upper right")
+    figure.suptitle("hf-eagle3 bench" + (f": {settings_description(settings)}" if settings else ""), fontsize=10)
     figure.tight_layout()
-    figure.savefig(output_dir / "bench.png", dpi=120)
-    plt.close(figure)
+    return figure
+
+
+def _method_label(name: str, shapes: list[str]) -> str:
+    """`tree (2x8x12)`, `auto (plain)`; a name that already spells its shape (`tree:3x4x10`) stays as it is."""
+    shape = ", ".join(shapes)
+    return f"{name} ({shape})" if shape and shape not in name else name
+
+
+def settings_description(settings: dict) -> str:
+    """What a benchmark ran with, from `bench.json`'s `settings`: machine, dtype, threads, decoding, lengths and
+    repetitions (what is not recorded is left out)."""
+    def count(number: int, noun: str) -> str:
+        return f"{number} {noun}{'' if number == 1 else 's'}"
+
+    decoding = "greedy" if not settings.get("temperature") else f"sampling at temperature {settings['temperature']}"
+    parts = [
+        settings.get("machine"),
+        settings.get("dtype"),
+        count(settings["torch_threads"], "torch thread") if settings.get("torch_threads") else None,
+        decoding,
+        f"{settings['max_new_tokens']} new tokens" if settings.get("max_new_tokens") else None,
+        f"the first {count(settings['limit'], 'prompt')} of each set" if settings.get("limit") else None,
+        f"median of {settings['repetitions']} interleaved repetitions" if settings.get("repetitions") else None,
+    ]
+    return ", ".join(part for part in parts if part)
+
+
+def verification_cost_report(target, token_counts: list[int], layer_ids: list[int], output_dir: Path) -> str:
+    """Measure one target forward over each of `token_counts` new tokens (`calibration.verification_cost`), write
+    `verification-cost.json` and `verification-cost.md` to `output_dir`, and return the markdown table."""
+    costs = verification_cost(target, token_counts, layer_ids=layer_ids)
+    machine, dtype = machine_description(target.device), str(target.dtype).removeprefix("torch.")
+    table = (f"Measured on {machine}, {dtype}, {torch.get_num_threads()} torch threads.\n\n"
+             "| tokens verified | ms | x one decode step |\n|---|---|---|\n"
+             + "".join(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |\n"
+                       for n, seconds in costs.items()))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = {"machine": machine, "dtype": dtype, "torch_threads": torch.get_num_threads(), "seconds": costs}
+    (output_dir / "verification-cost.json").write_text(json.dumps(record, indent=1))
+    (output_dir / "verification-cost.md").write_text(table)
+    return table
 
 
 def _run(args: argparse.Namespace) -> None:
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
-        costs = verification_cost(target, args.verification_cost, layer_ids=draft.config.target_layer_ids)
-        print(f"{machine_description(target.device)}, {args.dtype}, {torch.get_num_threads()} torch threads")
-        print("| tokens verified | ms | x one decode step |\n|---|---|---|")
-        for n, seconds in costs.items():
-            print(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |")
+        print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output)))
+        print(f"wrote {args.output}/verification-cost.json, verification-cost.md")
         return
-    methods = methods_from_names(
-        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
-        args.tree_total_tokens or draft.config.tree_total_tokens,
-    )
     prompt_sets = {name: load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
                    for name in args.prompts}
+    longest = max(prompt.shape[1] for prompts in prompt_sets.values() for prompt in prompts) + args.max_new_tokens
+    methods = methods_from_names(
+        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
+        args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest,
+    )
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
     output_dir = Path(args.output)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -330,7 +412,7 @@ def _run(args: argparse.Namespace) -> None:
     table = (f"Measured on {machine}, {args.dtype}, {torch.get_num_threads()} torch threads.\n\n"
              + markdown_table(result["summary"]))
     (output_dir / "bench.md").write_text(table)
-    save_plots(result["summary"], output_dir)
+    save_plots(result["summary"], output_dir, result["settings"])
     print(table)
     print(f"wrote {output_dir}/bench.json, bench.md, bench.png, records.jsonl")
 
@@ -341,17 +423,22 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
     parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
-                        help="plain (first), prompt-lookup, chain, tree (the draft's fixed defaults), "
-                             "tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this machine); EAGLE-3 methods may "
-                             "end in +exact (exact_attention=True: greedy outputs bit-identical to plain on CPU)")
+                        help="plain (first), prompt-lookup, compiled (static cache + torch.compile), chain, tree (the "
+                             "draft's fixed defaults), tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this "
+                             "machine); EAGLE-3 methods may end in +ngram / -ngram (context n-gram candidates in the "
+                             "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "
+                             "greedy outputs bit-identical to plain on CPU)")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    parser.add_argument("--repetitions", type=int, default=3,
+                        help="timed runs of every method on every prompt (interleaved; the median counts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--tree-depth", type=int)
-    parser.add_argument("--tree-top-k", type=int)
-    parser.add_argument("--tree-total-tokens", type=int)
+    parser.add_argument("--tree-depth", type=int, help="depth of the `tree` and `chain` methods (default: the draft's)")
+    parser.add_argument("--tree-top-k", type=int, help="top-k of the `tree` method (default: the draft's)")
+    parser.add_argument("--tree-total-tokens", type=int,
+                        help="drafted tokens of the `tree` method (default: the draft's)")
     parser.add_argument("--verification-cost", type=int, nargs="+", metavar="N",
-                        help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64) and exit")
-    parser.add_argument("--output", default="bench-results")
+                        help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64), write "
+                             "verification-cost.json / .md to --output, and exit")
+    parser.add_argument("--output", default="bench-results", help="directory for the results")
     parser.set_defaults(run=_run)

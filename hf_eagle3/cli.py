@@ -1,10 +1,11 @@
 """`hf-eagle3`: one sub-command per feature; each feature module registers its own sub-command.
 
 Every error reaches the user as one line, `hf-eagle3 COMMAND: error: what is wrong and what to do`; the traceback
-only with `--debug` or `HF_EAGLE3_DEBUG=1`.
+only with `--debug` or `HF_EAGLE3_DEBUG=1`. `python -m hf_eagle3` is the same command.
 """
 
 import argparse
+import copy
 import importlib
 import os
 
@@ -21,12 +22,41 @@ COMMAND_MODULES = [
 ]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written (the modules' docstrings), and every option's default after its help, except where
+    there is none to show (`None`: the help says what leaving it out does; an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, list | tuple):  # as it is typed: `--top-k 1 2 4 8`, not `[1, 2, 4, 8]`
+            action = copy.copy(action)
+            action.default = " ".join(str(value) for value in action.default)
+        return super()._expand_help(action)
+
+
+def version() -> str:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return f"hf-eagle3 {__version__} (transformers {transformers.__version__}, torch {torch.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-eagle3", description="EAGLE-3 speculative decoding for transformers.")
+    parser = argparse.ArgumentParser(prog="hf-eagle3", description="EAGLE-3 speculative decoding for transformers.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=version())
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or HF_EAGLE3_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register_cli(subparsers)
+    for command in subparsers.choices.values():
+        command.formatter_class = HelpFormatter
     return parser
 
 

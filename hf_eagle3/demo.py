@@ -148,13 +148,15 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def register_cli(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="EAGLE-3 vs plain generate on the embedded SmolLM2 target.")
+    parser = subparsers.add_parser("demo", help="EAGLE-3 vs plain generate on the embedded SmolLM2 target.",
+                                   description=__doc__)
     parser.add_argument("--prompt", action="append",
                         help=f"a user message (repeatable; default: {len(DEFAULT_PROMPTS)} built-in prompts)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: the dtype EAGLE-3 is predicted fastest in on this machine, measured")
-    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--repetitions", type=int, default=3,
+                        help="timed runs of each decoding per prompt, interleaved (the median counts)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--exact-attention", action="store_true",
                         help="verify with exact_attention=True (bf16 output identical to plain decoding, slower)")

@@ -45,7 +45,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .calibration import choose_tree
-from .compatibility import check_compatibility
+from .compatibility import check_compatibility, record_target_special_tokens
 from .drafter import DraftProposal, Eagle3Drafter, TreeSettings, max_candidates
 from .modeling_eagle3 import Eagle3DraftModel
 from .ngram import ContinuationAcceptance, find_continuation
@@ -54,7 +54,9 @@ from .tree_attention import exact_tree_attention
 from .verify import accept_among_children, accept_in_turn, children, greedy_accept
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
-EAGLE3_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidates", "record_greedy_cycles")
+# settings a call, its generation config, the target's or the draft's generation config may hold (`_layered_settings`)
+SETTING_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidates")
+EAGLE3_KWARGS = (*SETTING_KWARGS, "record_greedy_cycles")
 # transformers' settings for its own candidate generators: they would be silently ignored
 ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 logger = logging.get_logger(__name__)
@@ -456,7 +458,7 @@ def eagle3_generate(
     tree_total_tokens: int | None = None,
     tree_shape: str | None = None,
     ngram_candidates: bool | None = None,
-    exact_attention: bool = False,
+    exact_attention: bool | None = None,
     record_greedy_cycles: bool = False,
     eagle3_streamer=None,
     **model_kwargs,
@@ -466,7 +468,10 @@ def eagle3_generate(
 
     Args:
         draft: the `Eagle3DraftModel` made for `model`.
-        tree_depth, tree_top_k, tree_total_tokens: the draft tree (default: the draft config's).
+        tree_depth, tree_top_k, tree_total_tokens: the draft tree. These settings, `tree_shape`, `ngram_candidates`
+            and `exact_attention` are also read from the call's generation config (as `generate` prepared it: the
+            call's over the target's) and the draft's `generation_config`, then the draft config
+            (`_layered_settings`).
         tree_shape: `"fixed"` (those settings) or `"auto"` (the shape predicted fastest on this machine at this batch
             size, or plain decoding when none pays; default: the draft config's `tree_shape`).
         ngram_candidates: merge context n-gram continuations into each tree (default: the draft config's).
@@ -487,11 +492,16 @@ def eagle3_generate(
         model_kwargs.pop(unused, None)
     _check_generation_mode(generation_config)
     check_compatibility(draft.config, model)
-    overrides = {name: value for name, value in zip(TREE_KWARGS, (tree_depth, tree_top_k, tree_total_tokens))
-                 if value is not None}
-    use_continuations = draft.config.ngram_candidates if ngram_candidates is None else bool(ngram_candidates)
-    settings, shape_choice = _resolve_tree_shape(model, draft, overrides, tree_shape, use_continuations,
-                                                 input_ids.shape[0])
+    _check_device(draft, model)
+    record_target_special_tokens(draft.config, model)
+    call_settings = dict(zip(SETTING_KWARGS, (tree_depth, tree_top_k, tree_total_tokens, tree_shape, exact_attention,
+                                              ngram_candidates)))
+    layered = _layered_settings(draft, generation_config,
+                                {name: value for name, value in call_settings.items() if value is not None})
+    use_continuations = bool(layered.get("ngram_candidates", draft.config.ngram_candidates))
+    overrides = {name: layered[name] for name in TREE_KWARGS if name in layered}
+    settings, shape_choice = _resolve_tree_shape(model, draft, overrides, layered.get("tree_shape"),
+                                                 use_continuations, input_ids.shape[0])
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if settings is None:  # no tree pays here: plain decoding, the draft is not run
@@ -505,7 +515,8 @@ def eagle3_generate(
             return output
         return Eagle3GenerateOutput(**output, eagle3_stats=stats)
     return _decode(model, draft, settings, shape_choice, input_ids, logits_processor, stopping_criteria,
-                   generation_config, streamer, bool(exact_attention), use_continuations, record_greedy_cycles,
+                   generation_config, streamer, bool(layered.get("exact_attention", False)), use_continuations,
+                   record_greedy_cycles,
                    model_kwargs)
 
 
@@ -673,6 +684,46 @@ def _with_stop_string_criteria(model, arguments: dict) -> dict:
     criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
     criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     return arguments | {"stopping_criteria": criteria, "stop_strings": None}
+
+
+def _check_device(draft: Eagle3DraftModel, model) -> None:
+    """The draft runs in its own dtype (the target's features are cast to it, as transformers runs an assistant in
+    the dtype it was loaded in), but on the target's device: it reads the target's hidden states every cycle."""
+    embedding = model.get_input_embeddings().weight
+    if embedding.device.type != "meta" and draft.device != embedding.device:
+        raise ValueError(
+            f"The draft is on {draft.device} and the target on {embedding.device}: EAGLE-3 drafts from the target's "
+            "hidden states and shares its embedding. Move the draft with `draft.to(target.device)`."
+        )
+
+
+def _layered_settings(draft: Eagle3DraftModel, generation_config, call_settings: dict) -> dict:
+    """The call's EAGLE-3 settings, where transformers looks for an assistant's (`num_assistant_tokens` is read from
+    the assistant's `generation_config`): the call's keyword arguments, over the call's `generation_config` as
+    `generate` prepared it (the call's own over the target's, field by field), over the draft's `generation_config`
+    (the draft config's defaults come last, in `_tree_settings`).
+    A level that sets `tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes a lower `tree_shape`.
+    transformers' own assisted-generation sizes are read from the assistant's `generation_config` only: set there,
+    they are refused, as they are in the call."""
+    ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if getattr(draft.generation_config, name, None) is not None)
+    if ignored:
+        raise TypeError(
+            f"The draft's generation_config sets {', '.join(ignored)}, which size transformers' own assisted "
+            "generation, which EAGLE-3 replaces: unset them, and set tree_depth / tree_top_k / tree_total_tokens "
+            "(or tree_shape='auto') instead."
+        )
+    levels = [
+        {name: getattr(config, name) for name in SETTING_KWARGS if getattr(config, name, None) is not None}
+        for config in (draft.generation_config, generation_config)
+    ]
+    settings = {}
+    for level in (*levels, call_settings):
+        if level.get("tree_shape") == "auto":
+            settings = {name: value for name, value in settings.items() if name not in TREE_KWARGS}
+        elif "tree_shape" not in level and any(name in level for name in TREE_KWARGS):
+            settings.pop("tree_shape", None)
+        settings |= level
+    return settings
 
 
 def _wrap_generate(original):

@@ -53,6 +53,19 @@ def load_draft(
     return Eagle3DraftModel.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
 
 
+def stored_dtype(name_or_path: str = "shipped") -> torch.dtype:
+    """The dtype a draft's checkpoint holds (its config's `dtype`; float32 when it records none)."""
+    path = SHIPPED_DRAFT if name_or_path == "shipped" else name_or_path
+    return Eagle3DraftModel.config_class.from_pretrained(path).dtype or torch.float32
+
+
+def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtype) -> None:
+    """`save_pretrained` a `dtype` copy of `draft` (casting the draft itself would cast the shared target embedding)."""
+    copy = Eagle3DraftModel(draft.config)
+    copy.load_state_dict(draft.state_dict())
+    copy.to(dtype).save_pretrained(directory)
+
+
 def prompt_texts(name: str) -> list[str]:
     """User messages of a prompt set: `mt-bench` (first turns), `humaneval`, `calibration` (MT-bench questions 61-70
     and HumanEval problems 100-109, which the benchmark's first prompts never reach), or a JSONL file of
@@ -98,7 +111,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype_default: str = "f
     parser.add_argument("--draft", default="shipped", help="draft path / Hub id, or 'shipped'")
     parser.add_argument("--dtype", choices=list(DTYPES), default=dtype_default,
                         help="bfloat16 is fast only on CPUs with native bf16 matrix units (AMX) and on GPUs")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device the models run on")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 

@@ -22,11 +22,12 @@ remote code of saved checkpoints.
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -37,7 +38,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
-from transformers.utils import ModelOutput
+from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput, cached_file
 
 from .configuration_eagle3 import Eagle3Config
 
@@ -176,6 +177,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     Pass it as `assistant_model` to `target.generate` once `hf_eagle3` is imported. With
     `config.share_target_embedding` (the default), the token embedding is the target's, attached by
     `attach_target_embedding` (which `generate` does for you) and never saved with the draft.
+
+    `generation_config` holds the draft's own generation settings, as an assistant's does in transformers (where
+    `num_assistant_tokens` is read from the assistant's): `tree_depth`, `tree_top_k`, `tree_total_tokens`,
+    `tree_shape` and `exact_attention` set there override the config's tree defaults, and are saved as (and loaded
+    from) `generation_config.json`.
     """
 
     def __init__(self, config: Eagle3Config):
@@ -194,6 +200,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.post_init()
+        self.generation_config = GenerationConfig()
         self._generation_stats_of_thread = {}  # thread id -> `Eagle3GenerationStats` (see `generation_stats`)
         self._target_embedding_attached = not config.share_target_embedding
         if config.share_target_embedding:  # the target's embedding: neither saved nor expected in checkpoints
@@ -230,7 +237,31 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 f"{model.config.vocab_size}) or to one id twice: convert it with `hf-eagle3 convert`, which checks and "
                 "repairs the mapping's order."
             )
+        model.generation_config = _saved_generation_config(source, kwargs)
         return (model, loading_info) if output_loading_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, also writing `generation_config.json` when `generation_config` holds
+        settings (transformers writes it only for models that generate on their own)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        settings = {key for key in self.generation_config.to_diff_dict() if key != "transformers_version"}
+        if settings and kwargs.get("is_main_process", True):
+            self.generation_config.save_pretrained(save_directory)
+
+    def generate(self, *args, **kwargs):
+        """A draft does not generate on its own; transformers' assisted decoding calls this where hf-eagle3 does not
+        run the draft, so the error says how to make it."""
+        raise TypeError(
+            "An EAGLE-3 draft does not generate on its own: it drafts inside its target's generate, "
+            "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3: `pip install hf-eagle3`, then "
+            "`import hf_eagle3` and load the draft after the import (`Eagle3DraftModel.from_pretrained` or "
+            "`AutoModel.from_pretrained`). A draft loaded before it with trust_remote_code=True is the checkpoint's "
+            "own copy of this class, which hf-eagle3 does not drive."
+        )
+
+    def _supports_logits_to_keep(self) -> bool:
+        """`forward` takes `logits_to_keep` (transformers' assisted decoding asks before calling `generate`)."""
+        return True
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Upload the draft with a generated model card (target, usage, measured results): `hf_eagle3.hub.push_draft`."""
@@ -377,6 +408,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         hidden_states = self.midlayer(inputs_embeds, hidden_states, position_embeddings, attention_mask, cache)
         logits = self.compute_logits(hidden_states[:, -logits_to_keep:])
         return Eagle3DraftOutput(logits=logits, hidden_states=hidden_states, cache=cache)
+
+
+def _saved_generation_config(source, from_pretrained_kwargs: dict) -> GenerationConfig:
+    """The draft's `generation_config.json` where its folder or Hub repo has one, else an empty config."""
+    download = {name: from_pretrained_kwargs[name] for name in (
+        "cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+        if name in from_pretrained_kwargs}
+    path = cached_file(source, GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **download)
+    return GenerationConfig.from_pretrained(Path(path).parent) if path else GenerationConfig()
 
 
 def _additive_mask(

@@ -6,12 +6,28 @@ One optimizer step:
     ->  TrainingTimeTest (S unrolled draft steps, see `hf_eagle3.ttt`)  ->  loss  ->  AdamW (0.9, 0.95), clip 0.5
 
 Target features are computed online by default; `--precompute-features DIR` writes them to disk once (features and
-the target's final hidden state, bf16) and reads them back on every epoch. Runs on CPU or CUDA, in one process or
-under `accelerate launch` (data-parallel: each process reads its own share of every round of batches).
+the target's final hidden state, bf16) and reads them back on every epoch.
 
-Every `save_every` steps a checkpoint (draft weights, optimizer, scheduler, RNG states, data position, history) is
-written atomically to `output_dir/checkpoint-XXXXXX`; `--resume` continues from the latest one exactly: the same next
-batch, learning rate and optimizer state, so a resumed run ends with the weights of an uninterrupted one.
+Runs on CPU or CUDA, in one process or data-parallel under `accelerate launch` (each process reads its own share of
+every round of batches, so N processes with `--batch-size B` train exactly as one process with `--batch-size B
+--gradient-accumulation-steps N`; held-out metrics are summed over all processes):
+
+    accelerate launch --multi_gpu --num_processes N -m hf_eagle3 train ...                        # N GPUs
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N -m hf_eagle3 train ...   # N CPU processes
+
+(`accelerate launch --cpu` starts several processes only through MPI, `--mpirun_hostfile`; `--multi_gpu` without GPUs
+and without `ACCELERATE_USE_CPU=1` is refused, as its processes would each train alone.) Mixed precision is `--bf16`
+/ `--no-bf16` when given, else accelerate's (`accelerate launch --mixed_precision bf16`, `accelerate config`).
+
+Every `save_every` steps a checkpoint (draft weights, optimizer, RNG states, data position, history) is written
+atomically to `output_dir/checkpoint-XXXXXX`; `--resume` continues from the latest one exactly: the same next batch,
+learning rate and optimizer state, so a resumed run ends with the weights of an uninterrupted one. A resumed run may
+change what no training step depends on (`RESUMABLE_CHANGES`: its length, logging, evaluation and checkpoint cadence)
+and refuses the rest, saying why (`FIXED_SETTINGS`). The learning rate (linear warmup, then cosine to 0 at the last
+step) is a function of the step and of the run's length: a run resumed with a larger `--max-steps` continues on the
+schedule of a run of the new length from the step it resumes at (warmup not repeated; the rate steps up there, to
+where the longer schedule is, and reaches 0 at the new last step), so it is not identical to a run planned that long
+from the start, whose first steps decayed more slowly.
 Held-out evaluation reports the per-step accuracy, chain acceptance n-α (greedy: the n-th drafted token is accepted
 given the previous ones were) and the chain τ it implies; `training.png` plots loss and n-α.
 """
@@ -24,8 +40,9 @@ import pickle
 import random
 import shutil
 import time
+import typing
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -37,7 +54,7 @@ from .compatibility import check_compatibility, model_name
 from .configuration_eagle3 import Eagle3Config
 from .data import MANIFEST, Example, load_dataset
 from .fingerprint import digest, model_fingerprint
-from .loading import load_target_model
+from .loading import load_target_model, save_draft
 from .modeling_eagle3 import Eagle3DraftModel
 from .smollm2 import SMOLLM2_NAME
 from .tree_sizing import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
@@ -46,53 +63,87 @@ from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary, sa
 
 CHECKPOINT_PREFIX = "checkpoint-"
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
-# Settings a resumed run may change: where the run lives, and bookkeeping that does not change what it computes.
+# Settings a resumed run may change: where the run lives, how long it runs (see `--warmup-steps` for the learning
+# rate), bookkeeping, held-out evaluation and the final draft's packaging. None changes what a training step computes.
 RESUMABLE_CHANGES = (
-    "output_dir", "log_every", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "threads",
+    "output_dir", "max_steps", "epochs", "log_every", "eval_every", "eval_batches", "eval_ttt_steps", "save_every",
+    "keep_checkpoints", "threads", "save_dtype", "profile_prompts",
 )
+# Why every other setting is fixed for the life of a run: changed midway, the run would be neither the old one nor a
+# new one (a test checks that every setting is in one of the two).
+FIXED_SETTINGS = {
+    "decides which conversations are trained on and how they are batched, so the checkpoint's data position would "
+    "point elsewhere": ("data", "eval_data", "eval_fraction", "seed", "batch_size", "gradient_accumulation_steps",
+                        "max_length"),
+    "defines the draft the checkpoint holds, or the target it learns from": (
+        "target", "draft_vocab_size", "intermediate_size", "fc_norm", "norm_before_residual", "init_draft",
+        "init_head_from_target"),
+    "defines the training loss": ("ttt_steps", "step_decay"),
+    "defines the optimizer whose state the checkpoint holds": (
+        "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm"),
+    "changes the arithmetic of every step (bf16 autocast; features stored in bf16)": ("bf16", "precompute_features"),
+}
 DRAFT_VOCABULARY_FILE = "draft_vocab.safetensors"
+
+
+def _setting(default, help: str):
+    """A `TrainConfig` field with its command-line help (`hf-eagle3 train --help` shows it and the default)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainConfig:
     """Everything that defines a training run (saved as `train_config.json` in the output directory)."""
 
-    data: str  # directory written by `hf-eagle3 prepare-data`
-    output_dir: str
-    target: str = "smollm2"  # target path / Hub id, or "smollm2" for the embedded SmolLM2-135M-Instruct
-    eval_data: str | None = None  # prepared directory for held-out evaluation; default: a split of `data`
-    eval_fraction: float = 0.02  # held-out share of `data` when `eval_data` is not given
-    draft_vocab_size: int = 32000
-    intermediate_size: int | None = None  # draft MLP width; default: the target's
-    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each target feature before fc (`Eagle3Config.fc_norm`)
-    norm_before_residual: bool = False  # EAGLE 3.1: the residual starts from the normalised feature
-    ttt_steps: int = 7
-    eval_ttt_steps: int = 7  # chained draft steps in held-out evaluation (n-α for n < this), whatever ttt_steps is
-    step_decay: float = 0.8
-    learning_rate: float = 5e-5
-    warmup_steps: int = 100
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
-    batch_size: int = 4  # conversations per micro-batch and process
-    gradient_accumulation_steps: int = 1
-    epochs: float = 1.0  # ignored when max_steps is set
-    max_steps: int | None = None
-    max_length: int = 2048  # conversations are cut to this many tokens
-    bf16: bool = False  # bf16 autocast (the target then runs in bf16 too)
-    seed: int = 0
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    eval_every: int = 200
-    eval_batches: int | None = None  # cap on evaluation batches (None: all)
-    log_every: int = 10
-    init_head_from_target: bool = True  # lm_head / norm start as the target's rows for the draft vocabulary
-    init_draft: str | None = None  # start from this trained draft (weights and draft vocabulary), e.g. to continue a
-    # 1-step run with TTT steps or to fine-tune a released draft on new data; its shape wins over the size fields
-    precompute_features: str | None = None  # directory of precomputed target features (one per dataset and split)
-    threads: int | None = None  # torch CPU threads
-    save_dtype: str = "float32"  # dtype of the final draft in output_dir/draft (e.g. "bfloat16" to ship it)
-    profile_prompts: int = 8  # held-out prompts the final draft's acceptance profile is measured on (0: none), so
-    # that the saved draft decodes with tree_shape="auto" (see `tree_sizing.acceptance_profile`)
+    data: str = field(metadata={"help": "directory written by `hf-eagle3 prepare-data`"})
+    output_dir: str = field(metadata={"help": "directory for checkpoints, history, training.png and the final draft "
+                                              "(OUTPUT_DIR/draft)"})
+    target: str | None = _setting(None, "target path / Hub id, or 'smollm2' for the embedded SmolLM2-135M-Instruct; "
+                                        "default: the target recorded in the data's manifest.json")
+    eval_data: str | None = _setting(None, "prepared directory for held-out evaluation; default: a seeded split of "
+                                           "--data (--eval-fraction)")
+    eval_fraction: float = _setting(0.02, "held-out share of --data when --eval-data is not given")
+    draft_vocab_size: int = _setting(32000, "draft vocabulary: the most frequent target tokens of the answers")
+    intermediate_size: int | None = _setting(None, "draft MLP width; default: the target's")
+    fc_norm: bool = _setting(False, "EAGLE 3.1: an RMSNorm on each target feature before fc (Eagle3Config.fc_norm)")
+    norm_before_residual: bool = _setting(False, "EAGLE 3.1: the residual starts from the normalised feature "
+                                                 "(Eagle3Config.norm_before_residual)")
+    ttt_steps: int = _setting(7, "training-time-test steps: draft steps unrolled per training position")
+    eval_ttt_steps: int = _setting(7, "chained draft steps in held-out evaluation (n-α for n < this), whatever "
+                                      "--ttt-steps is")
+    step_decay: float = _setting(0.8, "weight of TTT step s in the loss: step_decay ** s")
+    learning_rate: float = _setting(5e-5, "peak learning rate (AdamW, betas 0.9 / 0.95)")
+    warmup_steps: int = _setting(100, "linear warmup steps; then cosine decay to 0 at the last step. A resumed run "
+                                      "with another --max-steps / --epochs continues on the schedule of a run of the "
+                                      "new length from the step it resumes at (warmup is not repeated)")
+    weight_decay: float = _setting(0.0, "AdamW weight decay")
+    max_grad_norm: float = _setting(0.5, "gradient-norm clip")
+    batch_size: int = _setting(4, "conversations per micro-batch and process")
+    gradient_accumulation_steps: int = _setting(1, "micro-batches per optimizer step and process")
+    epochs: float = _setting(1.0, "passes over the training conversations (ignored when --max-steps is given)")
+    max_steps: int | None = _setting(None, "optimizer steps in all; default: from --epochs")
+    max_length: int = _setting(2048, "conversations are cut to this many tokens")
+    bf16: bool | None = _setting(None, "bf16 autocast, the target in bf16 (--no-bf16: float32); default: accelerate's "
+                                       "configuration (`accelerate launch --mixed_precision`, `accelerate config`), "
+                                       "float32 without one")
+    seed: int = _setting(0, "seed of the draft's initialisation, the held-out split and the batch order")
+    save_every: int = _setting(200, "checkpoint every N optimizer steps (and at the last)")
+    keep_checkpoints: int = _setting(2, "checkpoints kept (the newest)")
+    eval_every: int = _setting(200, "held-out evaluation every N optimizer steps (and at the last)")
+    eval_batches: int | None = _setting(None, "cap on held-out batches, all processes together (0: no held-out "
+                                              "evaluation); default: all")
+    log_every: int = _setting(10, "record the training loss in history.json every N optimizer steps")
+    init_head_from_target: bool = _setting(True, "lm_head / norm start as the target's rows for the draft vocabulary")
+    init_draft: str | None = _setting(None, "start from this trained draft (weights and draft vocabulary), e.g. to "
+                                            "continue a 1-step run with TTT steps or to fine-tune a released draft on "
+                                            "new data; its shape wins over the size settings")
+    precompute_features: str | None = _setting(None, "directory for the target's features, computed once (bf16) "
+                                                     "and read back every epoch; default: computed online")
+    threads: int | None = _setting(None, "torch CPU threads per process; default: torch's choice")
+    save_dtype: str = _setting("float32", f"dtype of the final draft in OUTPUT_DIR/draft ({', '.join(SAVE_DTYPES)}; "
+                                          "e.g. bfloat16 to ship it)")
+    profile_prompts: int = _setting(8, "held-out prompts the final draft's acceptance profile is measured on (0: "
+                                       "none), so that it decodes with tree_shape='auto' wherever it runs")
 
     def __post_init__(self):
         """Refuse settings that would silently ruin a run, naming the valid range."""
@@ -292,13 +343,6 @@ def record_acceptance_profile(draft: Eagle3DraftModel, target, examples: list[Ex
     draft.config.tree_shape = "auto"
 
 
-def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtype) -> None:
-    """`save_pretrained` a `dtype` copy of `draft` (casting the draft itself would cast the shared target embedding)."""
-    copy = Eagle3DraftModel(draft.config)
-    copy.load_state_dict(draft.state_dict())
-    copy.to(dtype).save_pretrained(directory)
-
-
 def trainable_state_dict(draft: Eagle3DraftModel) -> dict[str, torch.Tensor]:
     """The draft's own tensors: everything but the shared target embedding."""
     return {name: tensor for name, tensor in draft.state_dict().items() if name != "embed_tokens.weight"}
@@ -319,28 +363,29 @@ def acceptance_summary(chain_accepted: torch.Tensor, chain_attempted: torch.Tens
 
 
 @torch.no_grad()
-def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches, split, autocast) -> dict:
-    """Held-out loss, per-step top-1 accuracy, n-α and chain τ over `batches`, summed over all processes."""
+def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches, split, accelerator) -> dict:
+    """Held-out loss, per-step top-1 accuracy, n-α and chain τ over `batches` (this process's share), summed over
+    all processes; `{}` when no process had a batch.
+
+    Every process joins the one reduction, also one with no batch (a held-out set of fewer batches than processes):
+    a process that skipped it would leave the others waiting in it for ever."""
     was_training = ttt.training
     ttt.eval()
-    totals = None
+    totals = torch.zeros((5, ttt.steps), dtype=torch.float64, device=accelerator.device)
     for indices in batches:
         batch = collate(examples, indices, features.target.config.pad_token_id or 0)
         target_features, target_logits = features(batch, split)
         device = target_features.device
-        with autocast():
+        with accelerator.autocast():
             output = ttt(batch["input_ids"].to(device), target_features, target_logits, batch["loss_mask"].to(device))
-        counts = torch.stack(
+        totals += torch.stack(
             [output.step_losses * output.step_counts, output.step_correct, output.step_counts,
              output.chain_accepted, output.chain_attempted]
-        ).double()
-        totals = counts if totals is None else totals + counts
+        ).double().to(totals.device)
     ttt.train(was_training)
-    if totals is None:
+    loss_sum, correct, counts, accepted, attempted = accelerator.reduce(totals, "sum")
+    if not counts.any():
         return {}
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(totals)
-    loss_sum, correct, counts, accepted, attempted = totals
     return {
         "loss": (loss_sum / counts.clamp(min=1)).tolist(),
         "accuracy": (correct / counts.clamp(min=1)).tolist(),
@@ -382,11 +427,12 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, keep: int) -> Path:
-    """Write weights, optimizer, scheduler, RNG states and `state` to a temporary directory, then rename it; a
-    failed write (a full disk, say) leaves the previous checkpoints as they were and says so."""
+def save_checkpoint(output_dir: Path, draft, optimizer, state: dict, keep: int) -> Path:
+    """Write weights, optimizer, RNG states and `state` to a temporary directory, then rename it; a failed write (a
+    full disk, say) leaves the previous checkpoints as they were and says so. (The learning rate schedule is a
+    function of the step and the run's settings: it is rebuilt on resume, not saved.)"""
     try:
-        return _write_checkpoint(output_dir, draft, optimizer, scheduler, state, keep)
+        return _write_checkpoint(output_dir, draft, optimizer, state, keep)
     except (OSError, RuntimeError, SafetensorError) as error:
         raise OSError(
             f"Cannot write the step-{state['step']} checkpoint in {output_dir} ({error}): free disk space, then "
@@ -394,7 +440,7 @@ def save_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, 
         ) from error
 
 
-def _write_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict, keep: int) -> Path:
+def _write_checkpoint(output_dir: Path, draft, optimizer, state: dict, keep: int) -> Path:
     final = output_dir / f"{CHECKPOINT_PREFIX}{state['step']:06d}"
     partial = output_dir / f".{final.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -406,10 +452,7 @@ def _write_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
-        partial / "training_state.pt",
-    )
+    torch.save({"optimizer": optimizer.state_dict(), "rng": rng}, partial / "training_state.pt")
     (partial / "trainer_state.json").write_text(json.dumps(state))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
@@ -418,7 +461,7 @@ def _write_checkpoint(output_dir: Path, draft, optimizer, scheduler, state: dict
     return final
 
 
-def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
+def load_checkpoint(checkpoint: Path, draft, optimizer) -> dict:
     """Restore what `save_checkpoint` wrote into the given objects; returns the trainer state.
 
     The weights must be exactly the draft's trainable tensors, all finite; the training state is read without
@@ -441,7 +484,6 @@ def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
         ) from error
     draft.load_state_dict(weights, strict=False)  # the keys were checked above; the target's embedding is not saved
     optimizer.load_state_dict(training_state["optimizer"])
-    scheduler.load_state_dict(training_state["scheduler"])
     random.setstate(training_state["rng"]["python"])
     torch.set_rng_state(training_state["rng"]["torch"])
     if "cuda" in training_state["rng"] and torch.cuda.is_available():
@@ -449,13 +491,13 @@ def load_checkpoint(checkpoint: Path, draft, optimizer, scheduler) -> dict:
     return json.loads((checkpoint / "trainer_state.json").read_text())
 
 
-def resume_from_latest(output_dir: Path, draft, optimizer, scheduler) -> tuple[Path, dict]:
+def resume_from_latest(output_dir: Path, draft, optimizer) -> tuple[Path, dict]:
     """Load the newest complete checkpoint that loads; a corrupt newer one is reported and passed over."""
     checkpoints = sorted(output_dir.glob(f"{CHECKPOINT_PREFIX}[0-9]*[0-9]"), reverse=True)
     failures = []
     for checkpoint in checkpoints:
         try:
-            return checkpoint, load_checkpoint(checkpoint, draft, optimizer, scheduler)
+            return checkpoint, load_checkpoint(checkpoint, draft, optimizer)
         except (ValueError, RuntimeError, OSError, KeyError, json.JSONDecodeError) as error:
             failures.append(f"{checkpoint.name}: {error}")
             print(f"warning: cannot resume from {checkpoint} ({error}); trying the previous checkpoint")
@@ -500,25 +542,116 @@ def _split_examples(config: TrainConfig) -> tuple[list[Example], list[Example]]:
     return [examples[i] for i in order[held_out:]], [examples[i] for i in order[:held_out]]
 
 
+LAUNCHED_PROCESSES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+CPU_LAUNCH = "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N -m hf_eagle3 train ..."
+
+
+def make_accelerator(bf16: bool | None):
+    """The run's `Accelerator`. Mixed precision is `--bf16` / `--no-bf16` when given, else accelerate's own
+    configuration (`accelerate launch --mixed_precision`, `accelerate config`). Refuses a launch whose processes
+    would each run alone (and race on the output directory), and says when a CPU launch started one process only."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision=None if bf16 is None else ("bf16" if bf16 else "no"))
+    # how many processes the launcher started (torchrun: WORLD_SIZE; MPI: its own variables), as accelerate reads them
+    launched = max(int(os.environ.get(name, 1)) for name in LAUNCHED_PROCESSES)
+    if launched > accelerator.num_processes:
+        raise RuntimeError(
+            f"This process is one of {launched} launched, but accelerate found no device to run them together on "
+            f"(distributed type {accelerator.distributed_type.value}): each would train alone and write the same "
+            f"checkpoints. Without GPUs, launch CPU processes with `{CPU_LAUNCH}`."
+        )
+    if accelerator.num_processes == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") \
+            and "MASTER_ADDR" in os.environ:
+        # what `accelerate launch --cpu --num_processes N` (N > 1, no MPI host file) leaves: one plain process
+        print(f"warning: training in 1 process: `accelerate launch --cpu` starts several only through MPI "
+              f"(--mpirun_hostfile). For N CPU processes on this machine: `{CPU_LAUNCH}`.")
+    if accelerator.mixed_precision not in ("no", "bf16"):
+        raise ValueError(
+            f"Mixed precision {accelerator.mixed_precision!r} (from accelerate's configuration) is not supported by "
+            "`hf-eagle3 train`: use bf16 (`--bf16`, or `accelerate launch --mixed_precision bf16`) or none "
+            "(`--no-bf16`)."
+        )
+    return accelerator
+
+
+def _same_target(first: str, second: str) -> bool:
+    """Whether two target names (paths, Hub ids, "smollm2") name the same model, as `model_name` compares them."""
+    return model_name(SMOLLM2_NAME if first == "smollm2" else first) == model_name(
+        SMOLLM2_NAME if second == "smollm2" else second)
+
+
+def resolve_target(config: TrainConfig, target: PreTrainedModel | None = None, run_target: str | None = None) -> str:
+    """The run's target: `--target`, else the one the data's `manifest.json` records (`prepare-data --target`), else
+    `run_target` (a resumed run's own), else the name of the `target` model given to `train`. A `--target` other
+    than the data's, or data and held-out data prepared for different targets, is refused naming both."""
+    recorded = {}
+    for directory in filter(None, (config.data, config.eval_data)):
+        manifest = Path(directory) / MANIFEST
+        name = json.loads(manifest.read_text())["settings"].get("target_name_or_path") if manifest.is_file() else None
+        if name:
+            recorded[directory] = name
+    wanted = config.target or next(iter(recorded.values()), None) or run_target
+    for directory, name in recorded.items():
+        if not _same_target(name, wanted):
+            flag = f"--target {config.target}" if config.target else f"the target of {config.data} ({wanted})"
+            raise ValueError(
+                f"{directory} was prepared for the target {name} (its {MANIFEST}), not for {flag}: its token ids mean "
+                f"other tokens to another tokenizer. Pass --target {name}, or prepare the data again with "
+                f"`hf-eagle3 prepare-data --target {wanted}`."
+            )
+    if wanted is None and target is None:
+        raise ValueError(
+            f"{config.data} does not record the target it was prepared for (prepared by an older hf-eagle3, or by "
+            "hand): pass --target (a path, a Hub id, or 'smollm2')."
+        )
+    return wanted if wanted is not None else str(target.config.name_or_path)
+
+
+def _check_resumable(saved: dict, config: TrainConfig) -> None:
+    """Refuse to resume a run under settings that change what it computes (see `FIXED_SETTINGS`), with the reason."""
+    reasons = {name: reason for reason, names in FIXED_SETTINGS.items() for name in names}
+    problems = []
+    for name, value in asdict(config).items():
+        if name in RESUMABLE_CHANGES or name not in saved:
+            continue
+        same = _same_target(saved[name], value) if name == "target" else saved[name] == value
+        if not same:
+            problems.append(f"--{name.replace('_', '-')} {saved[name]} -> {value} ({reasons[name]})")
+    if problems:
+        raise ValueError(
+            f"--resume cannot change {'; '.join(problems)}. Resume with the run's settings ({config.output_dir}/"
+            f"train_config.json), or start a new run in a new --output-dir (`--init-draft "
+            f"{config.output_dir}/{CHECKPOINT_PREFIX}NNNNNN` starts from a checkpoint's weights). May change: "
+            f"{', '.join('--' + name.replace('_', '-') for name in RESUMABLE_CHANGES)}."
+        )
+
+
+
 def train(
     config: TrainConfig, resume: bool = False, target: PreTrainedModel | None = None, progress: bool = True
 ) -> Eagle3DraftModel:
     """Run (or resume) the training described by `config`; returns the trained draft (also saved under
     `output_dir/draft`). `target` overrides loading `config.target` (it must then be that model)."""
-    from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    accelerator = Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+    accelerator = make_accelerator(config.bf16)
     output_dir = Path(config.output_dir)
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {output_dir}; drop --resume to start a new run.")
     if not resume and latest_checkpoint(output_dir) is not None:
         raise FileExistsError(f"{output_dir} already holds checkpoints: pass --resume, or use a new --output-dir.")
+    saved = json.loads((output_dir / "train_config.json").read_text()) if resume else {}
+    # what the run is, resolved: saved in train_config.json, and what a resumed run is checked against
+    config = replace(config, target=resolve_target(config, target, saved.get("target")),
+                     bf16=accelerator.mixed_precision == "bf16")
+    if resume:
+        _check_resumable(saved, config)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
 
@@ -565,28 +698,37 @@ def train(
         betas=(0.9, 0.95),
         weight_decay=config.weight_decay,
     )
-    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total_steps)
     state = {"step": 0, "epoch": 0, "round": 0, "history": [], "tokens": 0, "train_seconds": 0.0}
     if checkpoint is not None:
-        checkpoint, state = resume_from_latest(output_dir, draft, optimizer, scheduler)
-    elif accelerator.is_main_process:
+        checkpoint, state = resume_from_latest(output_dir, draft, optimizer)
+        if state["step"] > total_steps:
+            raise ValueError(f"--resume: {checkpoint.name} is past the run's end at step {total_steps}: pass a "
+                             f"--max-steps of at least {state['step']}.")
+    if accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
-    # The scheduler stays unwrapped: total_steps already counts optimizer steps across processes, and accelerate's
-    # wrapper would step it once per process.
+    # The learning rate is a function of the step and the run's length: at step `state["step"]` of a run of
+    # `total_steps` (on resume, of its new length when --max-steps / --epochs changed). The scheduler stays
+    # unwrapped: total_steps already counts optimizer steps across processes, and accelerate's wrapper would step it
+    # once per process.
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total_steps,
+                                                last_epoch=state["step"] - 1)
     ttt, optimizer = accelerator.prepare(ttt, optimizer)
 
     features = TargetFeatures(target, draft_config.target_layer_ids, config.precompute_features)
     if config.precompute_features is not None:
-        features.precompute(train_examples, "train", progress and accelerator.is_main_process)
-        features.precompute(eval_examples, "eval", progress and accelerator.is_main_process)
+        with accelerator.main_process_first():  # one process writes the files, the others then find them there
+            features.precompute(train_examples, "train", progress and accelerator.is_main_process)
+            features.precompute(eval_examples, "eval", progress and accelerator.is_main_process)
+    # The cap holds for all processes together, so the held-out batches (and their metrics) do not depend on how many
+    # processes there are; a process may get none (see `evaluate`).
     eval_batches = epoch_batches([len(e.input_ids) for e in eval_examples], config.batch_size, config.seed, 0)
-    eval_batches = eval_batches[rank :: world_size][: config.eval_batches]
+    eval_batches = eval_batches[: config.eval_batches][rank :: world_size]
     if accelerator.is_main_process:
         share = coverage(train_examples, draft_token_ids, draft_config.vocab_size)
         accelerator.print(f"draft vocabulary: {config.draft_vocab_size} tokens cover {share:.1%} of the responses")
 
     def run_evaluation():
-        return evaluate(held_out_ttt, features, eval_examples, eval_batches, "eval", accelerator.autocast)
+        return evaluate(held_out_ttt, features, eval_examples, eval_batches, "eval", accelerator)
 
     pad_token_id = target.config.pad_token_id or 0
     batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
@@ -646,8 +788,7 @@ def train(
                     f"chain τ {summary['chain_tau']:.2f}"
                 )
         if accelerator.is_main_process and (state["step"] % config.save_every == 0 or state["step"] == total_steps):
-            save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, scheduler, state,
-                            config.keep_checkpoints)
+            save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, state, config.keep_checkpoints)
             (output_dir / "history.json").write_text(json.dumps(state["history"], indent=1))
             plot_history(state["history"], output_dir / "training.png", config.step_decay)
         accelerator.wait_for_everyone()
@@ -671,31 +812,28 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     defaults = TrainConfig(data="", output_dir="")
-    for field in fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        default = getattr(defaults, field.name)
-        if field.name in ("data", "output_dir"):
-            parser.add_argument(flag, required=True)
-        elif isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+    for setting in fields(TrainConfig):
+        flag, help_text = "--" + setting.name.replace("_", "-"), setting.metadata["help"]
+        default = getattr(defaults, setting.name)
+        if setting.name in ("data", "output_dir"):
+            parser.add_argument(flag, required=True, help=help_text)
+            continue
+        kind = next(kind for kind in typing.get_args(setting.type) or (setting.type,) if kind is not type(None))
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            kind = {int: int, float: float}.get(type(default), str)
-            if field.name in ("max_steps", "eval_batches", "threads", "intermediate_size"):
-                kind = int
-            parser.add_argument(flag, type=kind, default=default)
-    parser.add_argument("--resume", action="store_true", help="Continue from the latest checkpoint in --output-dir.")
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --output-dir; may change only "
+                             + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE_CHANGES
+                                         if name != "output_dir")
+                             + " (and --output-dir, to a moved run)")
     parser.set_defaults(run=_run_cli)
 
 
-def _run_cli(args: argparse.Namespace) -> None:
-    config = TrainConfig(**{field.name: getattr(args, field.name) for field in fields(TrainConfig)})
-    if args.resume:
-        saved = json.loads((Path(config.output_dir) / "train_config.json").read_text())
-        changed = {name: (saved.get(name), value) for name, value in asdict(config).items()
-                   if name not in RESUMABLE_CHANGES and saved.get(name) != value}
-        if changed:
-            raise ValueError(f"--resume with settings that differ from the run's train_config.json: {changed}.")
-    train(config, resume=args.resume)
+def _run_cli(args: argparse.Namespace) -> Eagle3DraftModel:
+    config = TrainConfig(**{setting.name: getattr(args, setting.name) for setting in fields(TrainConfig)})
+    return train(config, resume=args.resume)
 
 
 __all__ = [

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .calibration import MachineCosts, ShapePrediction, measure_costs, predict
+from .calibration import MIN_PREDICTED_SPEEDUP, MachineCosts, ShapePrediction, measure_costs, predict
 from .drafter import max_candidates
-from .loading import add_model_arguments, load_models, load_prompt_set
+from .loading import add_model_arguments, load_models, load_prompt_set, save_draft, stored_dtype
 from .modeling_eagle3 import Eagle3DraftModel
 
 # The shapes an acceptance profile covers by default (`tune-tree`, and the trainer's final draft)
@@ -136,17 +136,39 @@ def _run(args: argparse.Namespace) -> None:
                 for prediction in predictions]
         Path(args.output).write_text(json.dumps({"machine": costs.machine, "shapes": rows}, indent=1))
     if args.save_to:
-        other_setting = [row for row in draft.config.acceptance_profile or []
-                         if row.get("ngram_candidates", False) != args.ngram_candidates]
-        draft.config.acceptance_profile = other_setting + profile  # rows of the other ngram setting are kept
-        draft.config.ngram_candidates = args.ngram_candidates
-        draft.config.tree_shape = "auto"
-        shape = best.settings
-        draft.config.tree_depth, draft.config.tree_top_k, draft.config.tree_total_tokens = (
-            shape.depth, shape.top_k, shape.total_tokens)
-        draft.save_pretrained(args.save_to)
-        print(f"saved the draft to {args.save_to} with its acceptance profile and tree_shape='auto' (each machine "
-              "picks its own shape); the fixed tree defaults are this machine's best")
+        print(save_tuned_draft(draft, profile, predictions, costs, args.save_to, stored_dtype(args.draft),
+                               args.ngram_candidates))
+
+
+def save_tuned_draft(draft: Eagle3DraftModel, profile: list[dict], predictions: list[ShapePrediction],
+                     costs: MachineCosts, directory: str | Path, dtype: torch.dtype,
+                     ngram_candidates: bool = False) -> str:
+    """Save `draft` as `dtype` (the dtype it is stored in, whatever dtype it was measured in) with its acceptance
+    `profile` (measured with `ngram_candidates`, which becomes its default; the rows of the other setting are kept)
+    and `tree_shape="auto"`, so that every machine picks its own shape. This machine's fastest shape becomes
+    the fixed tree defaults only when it is predicted to beat plain decoding as `tree_shape="auto"` asks
+    (`MIN_PREDICTED_SPEEDUP`); otherwise the defaults stay as they were, and a warning says so. Returns what was
+    saved, in a sentence."""
+    other_setting = [row for row in draft.config.acceptance_profile or []
+                     if row.get("ngram_candidates", False) != ngram_candidates]
+    draft.config.acceptance_profile = other_setting + profile
+    draft.config.ngram_candidates = ngram_candidates
+    draft.config.tree_shape = "auto"
+    best = predictions[0]
+    speedup, shape = best.tokens_per_second * costs.plain_step, best.settings
+    config = draft.config
+    if speedup >= MIN_PREDICTED_SPEEDUP:
+        config.tree_depth, config.tree_top_k, config.tree_total_tokens = shape.depth, shape.top_k, shape.total_tokens
+        defaults = "the fixed tree defaults are this machine's best"
+    else:
+        print(f"warning: no tree shape is predicted to beat plain decoding on this machine by "
+              f"{MIN_PREDICTED_SPEEDUP - 1:.0%} (the fastest, {shape.depth}x{shape.top_k}x{shape.total_tokens}, at "
+              f"{speedup:.2f}x): with tree_shape='auto' the saved draft decodes plainly here.")
+        defaults = (f"the fixed tree defaults stay {config.tree_depth}x{config.tree_top_k}x{config.tree_total_tokens}, "
+                    "not a shape slower than plain decoding")
+    save_draft(draft, directory, dtype)
+    return (f"saved the draft ({str(dtype).removeprefix('torch.')}) to {directory} with its acceptance profile and "
+            f"tree_shape='auto' (each machine picks its own shape); {defaults}")
 
 
 def register_cli(subparsers) -> None:
@@ -155,16 +177,18 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["calibration"],
                         help="prompt sets (see bench); 'calibration' is none of the benchmark's first prompts")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=PROFILE_NEW_TOKENS)
+    parser.add_argument("--max-new-tokens", type=int, default=PROFILE_NEW_TOKENS,
+                        help="tokens generated per prompt for the acceptance profile")
     parser.add_argument("--top-k", type=int, nargs="+", default=list(PROFILE_TOP_KS),
                         help="top-k values to try (1: chains)")
-    parser.add_argument("--max-depth", type=int, default=PROFILE_MAX_DEPTH)
+    parser.add_argument("--max-depth", type=int, default=PROFILE_MAX_DEPTH, help="deepest tree to try")
     parser.add_argument("--max-total", type=int, default=PROFILE_MAX_TOTAL,
                         help="largest number of drafted tokens to try")
     parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=False,
                         help="profile trees holding context n-gram continuations (`ngram_candidates`); --save-to then "
                              "makes it the draft's default")
     parser.add_argument("--output", help="write every shape's figures to this JSON file")
-    parser.add_argument("--save-to", help="save the draft with its acceptance profile and tree_shape='auto' (and "
-                                          "this machine's best shape as fixed defaults) to this directory")
+    parser.add_argument("--save-to", help="save the draft, in the dtype it is stored in, with its acceptance profile "
+                                          "and tree_shape='auto' (and this machine's best shape as fixed defaults, "
+                                          "when it beats plain decoding) to this directory")
     parser.set_defaults(run=_run)

@@ -11,8 +11,10 @@ from hf_eagle3.bench import (
     first_divergence,
     markdown_table,
     methods_from_names,
+    plot_summary,
     run_benchmark,
     save_plots,
+    verification_cost_report,
 )
 
 
@@ -36,9 +38,11 @@ def test_methods_from_names():
 
 
 def test_peer_and_hybrid_method_names():
-    methods = methods_from_names(["plain", "compiled", "tree+ngram", "auto-ngram", "tree:3x2x5+ngram+exact"], 4, 3, 12)
+    methods = methods_from_names(["plain", "compiled", "tree+ngram", "auto-ngram", "tree:3x2x5+ngram+exact"], 4, 3, 12,
+                                 max_cache_len=300)
     compiled = methods[1].generate_kwargs
     assert compiled["cache_implementation"] == "static" and compiled["compile_config"]._compile_all_devices
+    assert compiled["max_cache_len"] == 300
     assert not methods[1].is_eagle3
     assert methods[2].generate_kwargs == methods_from_names(["plain", "tree"], 4, 3, 12)[1].generate_kwargs | {
         "ngram_candidates": True}
@@ -120,3 +124,50 @@ def test_first_divergence_measures_both_logit_gaps(llama_target):
     prefix.sequences = plain.sequences[:, :-2]
     stopped = first_divergence(plain, prefix, prompt_length=6)
     assert stopped["position"] == 6 and stopped["disagreement"] is None  # a stopping difference: never a near-tie
+
+
+def test_plot_shows_labelled_bars_on_integer_axes_from_zero_with_the_settings_in_the_title(llama_target, fitted_draft):
+    torch.manual_seed(0)
+    prompts = {"set-a": [torch.randint(1, 90, (1, 7))], "set-b": [torch.randint(1, 90, (1, 5))]}
+    methods = methods_from_names(["plain", "prompt-lookup", "chain", "tree"], 4, 3, 12)
+    result = run_benchmark(llama_target, fitted_draft, prompts, methods, max_new_tokens=16, repetitions=1,
+                           progress=False)
+    summary = json.loads(json.dumps(result["summary"]))  # as read back from bench.json
+    settings = {"machine": "Test CPU (avx2)", "dtype": "float32", "torch_threads": 2, "temperature": 0.0,
+                "max_new_tokens": 16, "limit": 1, "repetitions": 1}
+    figure = plot_summary(summary, settings)
+
+    assert figure._suptitle.get_text() == (
+        "hf-eagle3 bench: Test CPU (avx2), float32, 2 torch threads, greedy, 16 new tokens, the first 1 prompt of "
+        "each set, median of 1 interleaved repetitions")
+    rows = [figure.axes[3 * row:3 * row + 3] for row in range(2)]
+    for (speed, alpha, lengths), set_name in zip(rows, summary):
+        # speedup: one labelled bar per method but plain, which is the dashed line at 1
+        assert [tick.get_text() for tick in speed.get_xticklabels()] == ["prompt-lookup", "chain (4x1x4)",
+                                                                         "tree (4x3x12)"]
+        assert [text.get_text() for text in speed.texts if text.get_text().endswith("x")] == [
+            f"{summary[set_name][name]['speedup']:.2f}x" for name in ("prompt-lookup", "chain", "tree")]
+        # n-α: drafted positions 0..3 as integer ticks, one bar per EAGLE-3 method and position, values on them
+        assert [tick.get_text() for tick in alpha.get_xticklabels()] == ["0", "1", "2", "3"]
+        assert len(alpha.patches) == 2 * 4 and alpha.get_ylim()[0] == 0
+        tree_rates = summary[set_name]["tree"]["n_alpha"]
+        assert [text.get_text() for text in alpha.texts][4:] == [
+            "-" if rate is None else f"{rate:.2f}" for rate in tree_rates]
+        # tokens per target forward: bars from zero at integer lengths, named axes
+        emitted = sorted({int(n) for name in ("chain", "tree") for n in summary[set_name][name][
+            "accepted_length_histogram"]})
+        assert [tick.get_text() for tick in lengths.get_xticklabels()] == [str(n) for n in emitted]
+        assert lengths.get_ylim()[0] == 0 and len(lengths.patches) == 2 * len(emitted)
+        assert "accepted drafted tokens + 1" in lengths.get_xlabel() and alpha.get_xlabel().startswith("drafted position")
+        # a method keeps its colour in every panel
+        tree_colour = speed.patches[2].get_facecolor()
+        assert alpha.patches[4].get_facecolor() == tree_colour == lengths.patches[len(emitted)].get_facecolor()
+
+
+def test_verification_cost_is_written_to_the_output_directory(llama_target, tmp_path):
+    table = verification_cost_report(llama_target, [1, 4], [2, 4, 6], tmp_path / "results")
+    record = json.loads((tmp_path / "results" / "verification-cost.json").read_text())
+    assert set(record["seconds"]) == {"1", "4"} and all(seconds > 0 for seconds in record["seconds"].values())
+    assert record["dtype"] == "float32" and record["torch_threads"] >= 1 and record["machine"]
+    assert (tmp_path / "results" / "verification-cost.md").read_text() == table
+    assert "| 4 |" in table and table.startswith("Measured on ")

@@ -1,10 +1,22 @@
-"""The `hf-eagle3` command line: every sub-command is registered and documents itself."""
+"""The `hf-eagle3` command line: every sub-command is registered and documents itself, its options and their
+defaults; `--version`; `python -m hf_eagle3`."""
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
 
 import pytest
 
+import hf_eagle3
 from hf_eagle3.cli import build_parser
 
 COMMANDS = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert", "push"]
+DOCUMENTED = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert"]
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices[name]
 
 
 def test_every_command_is_registered():
@@ -16,3 +28,46 @@ def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([command, "--help"])
     assert exit_info.value.code == 0 and command in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", DOCUMENTED)
+def test_every_option_says_what_it_does_and_shows_its_default(command):
+    parser = subcommand(command)
+    formatter = parser.formatter_class(prog=parser.prog)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{command} {action.option_strings or action.dest} has no help text"
+        if action.default not in (None, False) and not action.required:
+            assert "(default: " in formatter._expand_help(action), f"{command} {action.option_strings} hides its default"
+
+
+def test_defaults_read_as_they_are_typed(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tune-tree", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1 2 4 8)" in help_text and "(default: calibration)" in help_text
+
+
+def test_version_names_the_package_and_what_it_runs_on(capsys):
+    assert hf_eagle3.__version__ == importlib.metadata.version("hf-eagle3")
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"hf-eagle3 {hf_eagle3.__version__} (transformers 5.24")
+
+
+def test_python_m_hf_eagle3_is_the_command():
+    result = subprocess.run([sys.executable, "-m", "hf_eagle3", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("hf-eagle3 ")
+    result = subprocess.run([sys.executable, "-m", "hf_eagle3", "train", "--data", "absent", "--output-dir", "x",
+                             "--max-grad-norm", "-1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "hf-eagle3 train: error: Invalid training settings" in result.stderr
+
+
+def test_prepare_data_limit_says_what_it_does(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prepare-data", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Keep the first N usable conversations, those left after every filter" in help_text

@@ -247,3 +247,47 @@ def test_settings_that_would_silently_ruin_the_data_are_refused(tmp_path, tokeni
     with pytest.raises(ValueError, match=message):
         prepare_dataset([path], tmp_path / "out", tokenizer, progress=False, **setting)
     assert not (tmp_path / "out").exists()
+
+
+def test_limit_keeps_the_first_n_usable_conversations_and_grows_from_where_it_stopped(tmp_path, tokenizer):
+    long_question = "How can I help you today? " * 12  # no answer token fits within max_length
+    questions = [long_question if i in (1, 4) else f"question {i}?" for i in range(9)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conversation(q, "answer")}) for q in questions))
+    output = tmp_path / "prepared"
+    options = dict(max_length=64, shard_size=2, progress=False)
+    first = prepare_dataset([path], output, tokenizer, limit=4, **options)
+    assert [e.messages[0]["content"] for e in first.examples] == [f"question {i}?" for i in (0, 2, 3, 5)]
+    assert first.skipped == {"no assistant token within the length cap": 2}
+    assert [len(_read_lines(shard)) for shard in sorted(output.glob("shard-*.jsonl"))] == [2, 2]
+    grown = prepare_dataset([path], output, tokenizer, limit=6, **options)
+    assert [e.messages[0]["content"] for e in grown.examples] == [f"question {i}?" for i in (0, 2, 3, 5, 6, 7)]
+    everything = prepare_dataset([path], tmp_path / "all", tokenizer, **options)
+    assert everything.examples == grown.examples + prepare_dataset(
+        [path], tmp_path / "tail", tokenizer, **options).examples[6:]
+
+
+def test_limit_counts_the_conversations_regeneration_keeps(tmp_path, tokenizer, tiny_chat_target):
+    questions = ["The quick brown fox jumps over the lazy dog. " * 20] + [f"question {i}?" for i in range(1, 5)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conversation(q, "answer")}) for q in questions))
+    prepared = prepare_dataset([path], tmp_path / "out", tokenizer, target=tiny_chat_target, limit=2, max_length=64,
+                               max_prompt_length=80, max_new_tokens=4, batch_size=4, progress=False)
+    assert [e.messages[0]["content"] for e in prepared.examples] == ["question 1?", "question 2?"]
+    assert prepared.skipped == {"prompt longer than the cap": 1}
+
+
+def test_the_manifest_records_the_target_the_data_is_for(tmp_path, tokenizer):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": conversation("question?", "answer")}))
+    prepare_dataset([path], tmp_path / "named", tokenizer, target_name_or_path="org/Target", progress=False)
+    settings = json.loads((tmp_path / "named" / "manifest.json").read_text())["settings"]
+    assert settings["target_name_or_path"] == "org/Target" and settings["tokenizer"]["vocab"]
+    tokenizer.name_or_path = "/models/Target"
+    prepare_dataset([path], tmp_path / "default", tokenizer, progress=False)
+    settings = json.loads((tmp_path / "default" / "manifest.json").read_text())["settings"]
+    assert settings["target_name_or_path"] == "/models/Target"
+
+
+def _read_lines(path):
+    return path.read_text().splitlines()

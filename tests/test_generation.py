@@ -3,8 +3,10 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import AutoModel, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
+
+from hf_eagle3 import Eagle3DraftModel
 
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 
@@ -300,10 +302,76 @@ def test_settings_of_transformers_own_assisted_generation_are_refused_not_ignore
         _eagle(llama_target, fitted_draft, PROMPTS[0], max_new_tokens=5, **setting)
 
 
+def test_transformers_assisted_generation_sizes_in_the_drafts_generation_config_are_refused(llama_target):
+    draft = tiny_draft()
+    draft.generation_config.num_assistant_tokens = 5  # where transformers reads it from an assistant
+    with pytest.raises(TypeError, match="The draft's generation_config sets num_assistant_tokens.*set tree_depth"):
+        _eagle(llama_target, draft, PROMPTS[0], max_new_tokens=5)
+
+
 def test_generation_stats_exist_before_the_first_call():
     assert tiny_draft().generation_stats is None
 
 
+def test_a_bfloat16_checkpoint_loaded_with_automodel_drafts_for_a_float32_target_in_its_own_dtype(
+    llama_target, fitted_draft, tmp_path
+):
+    # save_pretrained of a bf16 copy, then `AutoModel.from_pretrained` as a transformers user loads it (dtype "auto")
+    fitted_draft.save_pretrained(tmp_path / "float32")
+    AutoModel.from_pretrained(tmp_path / "float32").to(torch.bfloat16).save_pretrained(tmp_path / "bfloat16")
+    draft = AutoModel.from_pretrained(tmp_path / "bfloat16")
+    assert isinstance(draft, Eagle3DraftModel) and draft.dtype == torch.bfloat16 and llama_target.dtype == torch.float32
+
+    prompt = PROMPTS[1]
+    expected = _plain(llama_target, prompt, max_new_tokens=30)
+    assert torch.equal(_eagle(llama_target, draft, prompt, max_new_tokens=30, **TREE), expected)
+    assert draft.generation_stats.mean_acceptance_length > 1  # the draft ran, in bf16, and its tokens were accepted
+    assert draft.dtype == torch.bfloat16 and llama_target.dtype == torch.float32  # neither was cast
+
+
+def test_a_draft_on_another_device_than_the_target_is_named_with_the_fix(llama_target):
+    draft = tiny_draft().to("meta")
+    with pytest.raises(ValueError, match=r"The draft is on meta and the target on cpu.*draft.to\(target.device\)"):
+        _eagle(llama_target, draft, PROMPTS[0], max_new_tokens=5)
+
+
+def _settings_used(draft) -> tuple[int, int, int]:
+    settings = draft.generation_stats.settings
+    return settings.depth, settings.top_k, settings.total_tokens
+
+
+def test_tree_settings_saved_in_the_drafts_generation_config_json_are_read(llama_target, tmp_path):
+    tiny_draft().save_pretrained(tmp_path)
+    GenerationConfig(tree_depth=2, tree_top_k=2, tree_total_tokens=5).save_pretrained(tmp_path)  # as a user would
+    draft = Eagle3DraftModel.from_pretrained(tmp_path)
+    _eagle(llama_target, draft, PROMPTS[0], max_new_tokens=5)
+    assert _settings_used(draft) == (2, 2, 5)
+
+    draft.generation_config.tree_depth = 3  # set on the loaded draft, saved with it, read back
+    draft.save_pretrained(tmp_path / "again")
+    reloaded = Eagle3DraftModel.from_pretrained(tmp_path / "again")
+    _eagle(llama_target, reloaded, PROMPTS[0], max_new_tokens=5)
+    assert _settings_used(reloaded) == (3, 2, 5)
+    tiny_draft().save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "generation_config.json").exists()  # nothing set, nothing written
+
+
+def test_tree_settings_follow_transformers_precedence_kwargs_then_generation_configs_then_the_draft():
+    target = tiny_target("llama")  # its generation_config is changed below
+    draft = tiny_draft(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
+    prompt = PROMPTS[0]
+    _eagle(target, draft, prompt, max_new_tokens=5)
+    assert _settings_used(draft) == (4, 3, 12)  # the draft config's defaults
+    draft.generation_config.tree_depth = 3
+    _eagle(target, draft, prompt, max_new_tokens=5)
+    assert _settings_used(draft) == (3, 3, 12)  # the draft's generation_config over its config
+    target.generation_config.tree_top_k = 2
+    _eagle(target, draft, prompt, max_new_tokens=5)
+    assert _settings_used(draft) == (3, 2, 10)  # the target's over the draft's (the default size capped)
+    _eagle(target, draft, prompt, max_new_tokens=5, generation_config=GenerationConfig(tree_top_k=1, tree_depth=2))
+    assert _settings_used(draft) == (2, 1, 2)  # the call's generation_config over the target's
+    _eagle(target, draft, prompt, max_new_tokens=5, generation_config=GenerationConfig(tree_top_k=1), tree_top_k=3)
+    assert _settings_used(draft) == (3, 3, 12)  # keyword arguments over everything
 NGRAM_PROMPTS = [torch.cat([p, p, p[:, :2]], dim=1) for p in PROMPTS]  # repeats: continuations are found
 
 

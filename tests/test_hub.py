@@ -4,18 +4,24 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 from unittest import mock
 
 import huggingface_hub
 import pytest
+import torch
 from huggingface_hub import HfApi, ModelCard
+from transformers import AutoModel
 from safetensors.torch import load_file, save_file
 
 from conversion import ConversionError, convert
-from hf_eagle3 import cli
-from hf_eagle3.hub import load_results, push_folder, upload_operations
+from hf_eagle3 import Eagle3DraftModel, cli
+from hf_eagle3.bench import methods_from_names, run_benchmark
+from hf_eagle3.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
+from hf_eagle3.trainer import TrainConfig, train
+from hf_eagle3.loading import SHIPPED_DRAFT
 
 from conftest import tiny_draft
 
@@ -27,10 +33,10 @@ RESULTS = [
 ]
 
 
-def run_python(script: str, cwd: Path, **env: str) -> str:
-    """Run `script` in a fresh interpreter with only `env` (and PATH) set; return its stdout."""
+def run_python(script: str, cwd: Path, python: str | Path = sys.executable, **env: str) -> str:
+    """Run `script` in a fresh `python` interpreter with only `env` (and PATH) set; return its stdout."""
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
+        [python, "-c", textwrap.dedent(script)],
         check=False,
         cwd=cwd,
         env={"PATH": os.environ["PATH"], "HF_HUB_OFFLINE": "1", **env},
@@ -49,30 +55,117 @@ def saved_draft(tmp_path) -> Path:
     return folder
 
 
-def test_saved_draft_loads_with_trust_remote_code_where_hf_eagle3_is_missing(tmp_path, saved_draft):
+@pytest.fixture(scope="module")
+def python_without_hf_eagle3(tmp_path_factory) -> Path:
+    """The interpreter of a fresh virtualenv that has this environment's packages (torch, transformers, ...) but not
+    hf-eagle3, as on a machine where it was never installed.
+
+    `venv --without-pip` (a second), whose site-packages holds one `.pth` line naming this environment's
+    site-packages. A `.pth` line only puts that directory on `sys.path`: the `.pth` files inside it are not run, and
+    hf-eagle3 is installed there (editable) by one of them, so it is not importable; nor is the repository, since
+    the scripts run elsewhere."""
+    venv = tmp_path_factory.mktemp("venv-without-hf-eagle3")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site_packages = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    (Path(site_packages) / "packages-of-the-test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is_not_installed(
+    tmp_path, saved_draft, python_without_hf_eagle3
+):
     assert SAVED_FILES <= {path.name for path in saved_draft.iterdir()}
-    assert json.loads((saved_draft / "config.json").read_text())["auto_map"] == {
-        "AutoConfig": "configuration_eagle3.Eagle3Config",
-        "AutoModel": "modeling_eagle3.Eagle3DraftModel",
-    }
+    assert SAVED_FILES <= {path.name for path in SHIPPED_DRAFT.iterdir()}
+    for folder in (saved_draft, SHIPPED_DRAFT):
+        assert json.loads((folder / "config.json").read_text())["auto_map"] == {
+            "AutoConfig": "configuration_eagle3.Eagle3Config",
+            "AutoModel": "modeling_eagle3.Eagle3DraftModel",
+        }
     output = run_python(
         f"""
-        import sys
-        sys.modules["hf_eagle3"] = None  # importing it now raises ImportError
+        import importlib.util
+        assert importlib.util.find_spec("hf_eagle3") is None  # not installed here
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModel
 
+        for folder in ({str(saved_draft)!r}, {str(SHIPPED_DRAFT)!r}):
+            draft = AutoModel.from_pretrained(folder, trust_remote_code=True)
+            state = draft.state_dict()
+            assert all(torch.equal(state[name], tensor) for name, tensor in load_file(folder + "/model.safetensors").items())
+            print(type(draft).__module__.split(".")[0], type(draft).__name__, draft.dtype)
+        """,
+        cwd=tmp_path,
+        python=python_without_hf_eagle3,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert output.splitlines() == [
+        "transformers_modules Eagle3DraftModel torch.float32",
+        "transformers_modules Eagle3DraftModel torch.bfloat16",
+    ]
+
+
+def test_generate_with_a_draft_where_hf_eagle3_is_not_installed_says_to_install_it(
+    tmp_path, saved_draft, python_without_hf_eagle3
+):
+    output = run_python(
+        f"""
+        import torch
+        from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
         draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
-        saved = load_file({str(saved_draft / "model.safetensors")!r})
-        state = draft.state_dict()
-        assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
-        print(type(draft).__module__, type(draft).__name__)
+        target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                              num_attention_heads=4, num_key_value_heads=2))
+        try:
+            target.generate(torch.tensor([[3, 5, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False)
+        except TypeError as error:
+            print(error)
+        """,
+        cwd=tmp_path,
+        python=python_without_hf_eagle3,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert "needs hf-eagle3: `pip install hf-eagle3`, then `import hf_eagle3`" in output
+
+
+def test_with_hf_eagle3_imported_trust_remote_code_loads_its_class_and_one_loaded_before_is_named(
+    saved_draft, llama_target, tmp_path
+):
+    draft = AutoModel.from_pretrained(saved_draft, trust_remote_code=True)  # a registered class wins over remote code
+    assert type(draft) is Eagle3DraftModel
+    llama_target.generate(torch.tensor([[3, 5, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False)
+    assert draft.generation_stats.num_cycles > 0
+
+    output = run_python(  # loaded as remote code before hf_eagle3 was imported: the checkpoint's own class
+        f"""
+        import torch
+        from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+        draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
+        import hf_eagle3
+        target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                              num_attention_heads=4, num_key_value_heads=2))
+        try:
+            target.generate(torch.tensor([[3, 5, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False)
+        except TypeError as error:
+            print(type(draft).__module__.split(".")[0], error)
         """,
         cwd=tmp_path,
         HF_HOME=str(tmp_path / "hf_home"),
+        PYTHONPATH=str(REPO_ROOT),
     )
-    assert output.startswith("transformers_modules.") and output.split()[-1] == "Eagle3DraftModel"
+    assert output.startswith("transformers_modules ") and "load the draft after the import" in output
+
+
+def test_the_remote_code_shipped_with_the_draft_is_the_packages_code():
+    for name in ("configuration_eagle3.py", "modeling_eagle3.py"):
+        assert (SHIPPED_DRAFT / name).read_text() == (REPO_ROOT / "hf_eagle3" / name).read_text(), (
+            f"re-copy hf_eagle3/{name} to {SHIPPED_DRAFT.relative_to(REPO_ROOT)}/"
+        )
 
 
 def test_from_pretrained_and_convert_resolve_a_repo_id_from_the_local_cache(tmp_path, saved_draft):
@@ -151,11 +244,18 @@ def only_our_commands(monkeypatch):
     monkeypatch.setattr(cli, "COMMAND_MODULES", ["conversion.cli", "hf_eagle3.hub"])
 
 
-def test_push_command_dry_run_lists_the_upload_and_sends_nothing(mocked_hub, saved_draft, capsys, only_our_commands):
+def test_push_command_dry_run_lists_the_upload_prints_the_card_and_sends_nothing(
+    mocked_hub, saved_draft, capsys, only_our_commands
+):
     create_repo, commits = mocked_hub
-    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--dry-run"])
-    listed = capsys.readouterr().out
+    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--dry-run", "--license", "apache-2.0"])
+    printed = capsys.readouterr()
+    listed, card_text = printed.out.split("\nREADME.md:\n")
     assert all(f"  {name} (" in listed for name in SAVED_FILES) and "README.md (" in listed and "generated" in listed
+    card = ModelCard(card_text)
+    assert card.data.license == "apache-2.0" and card.data.base_model == "org/target"
+    assert "# eagle3-draft" in card.text and "## Serving" in card.text and "## Citation" in card.text
+    assert "no datasets (--dataset)" in printed.err  # what the card lacks is named, with the option that adds it
     assert not create_repo.called and not commits
 
 
@@ -169,14 +269,93 @@ def test_push_command_uploads_with_the_folder_results(mocked_hub, saved_draft, c
     assert "https://huggingface.co/org/eagle3-draft/commit/1" in capsys.readouterr().out
 
 
-def test_card_without_results_or_hub_target_has_neither(saved_draft):
-    card_text = upload_operations(saved_draft, "org/eagle3-draft")[-1].path_or_fileobj.decode()
-    assert "Measured acceptance" not in card_text
+def _card(folder: Path, **kwargs) -> ModelCard:
+    return ModelCard(upload_operations(folder, "org/eagle3-draft", **kwargs)[-1].path_or_fileobj.decode())
 
-    config = json.loads((saved_draft / "config.json").read_text())
-    (saved_draft / "config.json").write_text(json.dumps({**config, "target_name_or_path": "/models/local-target"}))
-    card = ModelCard(upload_operations(saved_draft, "org/eagle3-draft")[-1].path_or_fileobj.decode())
+
+def _record_target(folder: Path, target_name_or_path: str) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "target_name_or_path": target_name_or_path}))
+
+
+def test_card_without_results_has_no_results_section(saved_draft):
+    assert "Measured acceptance" not in _card(saved_draft).text
+
+
+def test_a_draft_made_from_a_local_target_gets_its_hub_id_where_known_and_never_a_placeholder(saved_draft):
+    _record_target(saved_draft, "/home/me/.cache/huggingface/hub/models--org--Llama-Tiny/snapshots/0123abcd")
+    assert _card(saved_draft).data.base_model == "org/Llama-Tiny"  # a Hub cache snapshot names its repo
+
+    _record_target(saved_draft, "/models/local-target")
+    card = _card(saved_draft)
     assert card.data.base_model is None
+    assert 'AutoTokenizer.from_pretrained("/models/local-target")' in card.text  # what the draft was made with
+    assert "TARGET_MODEL_ID" not in card.text
+    card = _card(saved_draft, base_model="org/Llama-Tiny")  # `push --base-model`
+    assert card.data.base_model == "org/Llama-Tiny" and '--model-path org/Llama-Tiny' in card.text
+
+
+def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft):
+    config = json.loads((saved_draft / "config.json").read_text())
+    (saved_draft / "config.json").write_text(json.dumps({**config, "target_name_or_path": None}))
+    with pytest.raises(ValueError, match="records no target .* --base-model ORG/NAME"):
+        upload_operations(saved_draft, "org/eagle3-draft")
+    assert _card(saved_draft, base_model="org/Llama-Tiny").data.base_model == "org/Llama-Tiny"
+
+
+def test_the_card_gives_serving_settings_from_the_drafts_tree_defaults(saved_draft):
+    card = _card(saved_draft)  # tiny_draft: depth 4, top-k 3, 12 drafted tokens
+    assert "--speculative-num-steps 4 --speculative-eagle-topk 3 --speculative-num-draft-tokens 13" in card.text
+    assert '"method": "eagle3", "model": "draft-vllm", "num_speculative_tokens": 4' in card.text
+    assert "hf-eagle3 convert org/eagle3-draft draft-sglang --to sglang" in card.text
+
+
+def test_shipped_and_generated_cards_share_library_name_and_tags():
+    shipped = ModelCard.load(SHIPPED_DRAFT / "README.md")
+    assert shipped.data.library_name == LIBRARY_NAME and shipped.data.tags == CARD_TAGS
+    assert shipped.data.license and shipped.data.datasets and shipped.data.base_model
+    assert all(section in shipped.text for section in ("## Serving", "## Citation", "## Training"))
+
+
+def test_bench_json_fills_the_card_with_per_position_acceptance_and_the_setup(
+    saved_draft, tmp_path, llama_target, fitted_draft, mocked_hub, only_our_commands
+):
+    prompts = {"mt-bench": [torch.randint(1, 96, (1, 6), generator=torch.Generator().manual_seed(1))]}
+    methods = methods_from_names(["plain", "chain", "tree"], 4, 3, 12)
+    result = run_benchmark(llama_target, fitted_draft, prompts, methods, 24, 1, progress=False)
+    result["settings"] = {"machine": "Test CPU (avx2)", "dtype": "float32", "torch_threads": 1, "temperature": 0.0,
+                          "max_new_tokens": 24, "limit": 1, "repetitions": 1}  # as `hf-eagle3 bench` records them
+    (tmp_path / "bench.json").write_text(json.dumps(result))
+    _, commits = mocked_hub
+    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--results", str(tmp_path / "bench.json")])
+    card = ModelCard(commits[0]["files"]["README.md"].decode())
+    tree = result["summary"]["mt-bench"]["tree"]
+    assert ("Measured with hf-eagle3 on Test CPU (avx2), float32, 1 torch thread, greedy, 24 new tokens, the first 1 "
+            "prompt of each set, median of 1 interleaved repetitions.") in card.text
+    assert "| prompts | method | tree (DxKxN) | speedup | tokens/s | τ | 0-α | 1-α | 2-α | 3-α |" in card.text
+    row = next(line for line in card.text.splitlines() if line.startswith("| mt-bench | tree |"))
+    assert f"| {tree['tau']:.2f} | {tree['n_alpha'][0]:.2f} |" in row and "| 4x3x12 |" in row
+
+
+def test_the_card_of_a_trained_draft_describes_its_training(tmp_path, llama_target):
+    data = tmp_path / "data"
+    data.mkdir()
+    torch.manual_seed(0)
+    prompts = torch.randint(1, 96, (16, 6))
+    sequences = llama_target.generate(prompts, max_new_tokens=18, do_sample=False,
+                                      attention_mask=torch.ones_like(prompts))
+    with open(data / "shard-00000.jsonl", "w") as file:
+        for sequence in sequences.tolist():
+            file.write(json.dumps({"messages": [], "input_ids": sequence, "loss_mask": [0] * 6 + [1] * 18}) + "\n")
+    config = TrainConfig(data=str(data), output_dir=str(tmp_path / "run"), target="/models/local-llama",
+                         draft_vocab_size=64, intermediate_size=64, batch_size=4, ttt_steps=3, max_steps=4,
+                         eval_every=4, save_every=4, eval_fraction=0.25, profile_prompts=0)
+    train(config, target=llama_target, progress=False)
+    card = _card(tmp_path / "run" / "draft")
+    assert "## Training" in card.text and "training-time test, 3 unrolled steps" in card.text
+    assert "| Steps | 4 of 4, 4 conversations per batch" in card.text
+    assert "| Held-out acceptance (last evaluation) | n-α " in card.text
+    assert card.data.base_model is None and 'from_pretrained("/models/local-llama")' in card.text
 
 
 def test_a_folder_with_its_own_card_keeps_it(saved_draft):

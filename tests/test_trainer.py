@@ -2,14 +2,19 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from dataclasses import fields as dataclass_fields
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import VOCAB, tiny_target
 from safetensors.torch import load_file
+from transformers import get_cosine_schedule_with_warmup
 
 from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3 import trainer as trainer_module
@@ -74,8 +79,8 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(dataset, target, tm
 
     save_checkpoint = trainer_module.save_checkpoint
 
-    def save_then_die(output_dir, draft, optimizer, scheduler, state, keep):
-        path = save_checkpoint(output_dir, draft, optimizer, scheduler, state, keep)
+    def save_then_die(output_dir, draft, optimizer, state, keep):
+        path = save_checkpoint(output_dir, draft, optimizer, state, keep)
         if state["step"] == 4:
             raise Killed
         return path
@@ -336,11 +341,13 @@ def test_a_moved_run_directory_resumes_and_bookkeeping_settings_may_change(datas
     first.run(first)
     shutil.move(tmp_path / "run", tmp_path / "moved")
     (tmp_path / "moved" / "draft").rename(tmp_path / "first-draft")
-    resumed = parse_train_cli([*argv, "--output-dir", str(tmp_path / "moved"), "--log-every", "3", "--resume"])
+    without_target = argv[:3] + argv[5:]  # the data records no target: the run's own train_config.json does
+    resumed = parse_train_cli([*without_target, "--output-dir", str(tmp_path / "moved"), "--log-every", "3",
+                               "--resume"])
     resumed.run(resumed)
     assert (tmp_path / "moved" / "draft" / "model.safetensors").is_file()
     changed = parse_train_cli([*argv, "--output-dir", str(tmp_path / "moved"), "--ttt-steps", "2", "--resume"])
-    with pytest.raises(ValueError, match="ttt_steps"):
+    with pytest.raises(ValueError, match=r"cannot change --ttt-steps 1 -> 2 \(defines the training loss\)"):
         changed.run(changed)
 
 
@@ -388,3 +395,184 @@ def test_the_trained_draft_records_its_acceptance_profile_and_decodes_with_an_au
     expected = target.generate(prompt, max_new_tokens=16, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft), expected)
     assert draft.generation_stats.shape_choice is not None  # the machine's calibration chose
+
+
+# ------------------------------------------------------------------------------------- accelerate launch, CPU (gloo)
+
+# Runs the real `hf-eagle3 train` command line in each process, then saves that process's final draft weights.
+TRAIN_AND_DUMP_WEIGHTS = """
+import sys
+from accelerate import PartialState
+from safetensors.torch import save_file
+from hf_eagle3.cli import build_parser
+from hf_eagle3.trainer import trainable_state_dict
+
+args = build_parser().parse_args(sys.argv[2:])
+draft = args.run(args)
+state = PartialState()
+tensors = {name: tensor.contiguous() for name, tensor in trainable_state_dict(draft).items()}
+save_file(tensors, f"{sys.argv[1]}/rank-{state.process_index}.safetensors", metadata={"main": str(state.is_main_process)})
+"""
+LAUNCH_SETTINGS = dict(draft_vocab_size=64, intermediate_size=64, ttt_steps=2, learning_rate=3e-3, warmup_steps=2,
+                       save_every=2, eval_every=2, log_every=1, eval_fraction=0.02, seed=1, threads=1, profile_prompts=0)
+
+
+def accelerate_launch(launch_args, command, tmp_path, env=None):
+    """`accelerate launch LAUNCH_ARGS COMMAND` in a clean accelerate configuration, on a free port."""
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    environment = os.environ | {"OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([accelerate, "launch", "--main_process_port", "0", *launch_args, *command],
+                          env=environment | (env or {}), capture_output=True, text=True, timeout=300)
+
+
+def train_argv(target_dir, data, output_dir, **settings):
+    argv = ["train", "--data", str(data), "--target", str(target_dir), "--output-dir", str(output_dir)]
+    for name, value in (LAUNCH_SETTINGS | settings).items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+@pytest.fixture(scope="module")
+def two_cpu_processes(dataset, target, tmp_path_factory):
+    """A 4-step run in 2 CPU processes (gloo), 2 conversations per process and step; 1 held-out conversation, so
+    process 1 has no held-out batch. Target features are precomputed (by one process, read by both)."""
+    root = tmp_path_factory.mktemp("two-processes")
+    target.save_pretrained(root / "target")
+    (root / "train_and_dump.py").write_text(TRAIN_AND_DUMP_WEIGHTS)
+    argv = train_argv(root / "target", dataset, root / "run", batch_size=2, max_steps=4,
+                      precompute_features=root / "features")
+    result = accelerate_launch(["--multi_gpu", "--num_processes", "2"], [str(root / "train_and_dump.py"), str(root),
+                               *argv], root, env={"ACCELERATE_USE_CPU": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def test_two_cpu_processes_with_fewer_held_out_batches_than_processes_train_as_one_process(
+        two_cpu_processes, dataset, target, tmp_path):
+    root = two_cpu_processes
+    ranks = [safe_open_weights(root / f"rank-{rank}.safetensors") for rank in (0, 1)]
+    assert [main for main, _ in ranks] == ["True", "False"]  # one main process: the only one that writes
+    assert all(torch.equal(ranks[0][1][name], ranks[1][1][name]) for name in ranks[0][1])  # both ranks end alike
+    assert sorted(path.name for path in (root / "run").iterdir() if path.name.startswith((".", "checkpoint"))) == [
+        "checkpoint-000002", "checkpoint-000004"]  # nothing half-written, no checkpoint twice
+
+    # One process with the same global batch: 2 conversations x 2 accumulated micro-batches per step
+    single = tmp_path / "single"
+    settings = {name: value for name, value in LAUNCH_SETTINGS.items() if name != "threads"}
+    train(TrainConfig(data=str(dataset), output_dir=str(single), batch_size=2, gradient_accumulation_steps=2,
+                      max_steps=4, precompute_features=str(tmp_path / "features"), **settings),
+          target=target, progress=False)
+    launched = json.loads((root / "run" / "history.json").read_text())
+    alone = json.loads((single / "history.json").read_text())
+    assert [sorted(entry) for entry in launched] == [sorted(entry) for entry in alone]
+    for got, expected in zip(launched, alone):
+        if "eval" in expected:  # the held-out metrics over the one batch, however many processes share it
+            assert got["eval"]["loss"] == pytest.approx(expected["eval"]["loss"], rel=1e-5)
+            assert got["eval"]["alpha"] == pytest.approx(expected["eval"]["alpha"], abs=1e-9)
+        else:
+            assert got["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5)
+            assert got["tokens"] == expected["tokens"] and got["lr"] == pytest.approx(expected["lr"])
+    assert any("eval" in entry for entry in launched)
+    expected_weights = draft_weights(single)
+    for name, tensor in ranks[0][1].items():
+        assert torch.allclose(tensor, expected_weights[name], atol=1e-5), name
+
+
+def test_a_run_resumed_under_accelerate_extends_max_steps_on_the_longer_schedule(two_cpu_processes, dataset, target,
+                                                                                 tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_cpu_processes / "run", run)
+    argv = train_argv(two_cpu_processes / "target", dataset, run, batch_size=2, max_steps=6, eval_every=3,
+                      precompute_features=two_cpu_processes / "features")
+    result = accelerate_launch(["--multi_gpu", "--num_processes", "2", "-m"], ["hf_eagle3", *argv, "--resume"],
+                               tmp_path, env={"ACCELERATE_USE_CPU": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert latest_checkpoint(run).name == "checkpoint-000006"
+    history = json.loads((run / "history.json").read_text())
+    assert [entry["step"] for entry in history if "eval" in entry] == [2, 4, 6]  # --eval-every changed on resume
+    learning_rates = {entry["step"]: entry["lr"] for entry in history if "lr" in entry}
+    assert sorted(learning_rates) == [1, 2, 3, 4, 5, 6]
+
+    def schedule(total_steps):
+        return get_cosine_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=1.0), 2, total_steps).lr_lambdas[0]
+
+    # steps 1-4 ran on the 4-step schedule; the resumed steps continue on the 6-step one, which ends at 0
+    assert [learning_rates[step] for step in (1, 3, 4)] == pytest.approx([3e-3 * schedule(4)(s) for s in (1, 3, 4)])
+    assert [learning_rates[step] for step in (5, 6)] == pytest.approx([3e-3 * schedule(6)(s) for s in (5, 6)])
+    assert learning_rates[5] > 0 and learning_rates[6] == 0
+
+    # The same extension in one process (same global batch) reaches the same weights and data position
+    single = tmp_path / "single"
+    settings = {name: value for name, value in LAUNCH_SETTINGS.items() if name != "threads"}
+    config = TrainConfig(data=str(dataset), output_dir=str(single), batch_size=2, gradient_accumulation_steps=2,
+                         max_steps=4, precompute_features=str(tmp_path / "features"), **settings)
+    train(config, target=target, progress=False)
+    train(replace(config, max_steps=6), resume=True, target=target, progress=False)
+    for key in ("step", "epoch", "tokens"):
+        launched_state = json.loads((run / "checkpoint-000006" / "trainer_state.json").read_text())
+        single_state = json.loads((single / "checkpoint-000006" / "trainer_state.json").read_text())
+        assert launched_state[key] == single_state[key], key
+    expected, got = draft_weights(single), draft_weights(run)
+    assert all(torch.allclose(got[name], expected[name], atol=1e-5) for name in expected)
+
+    with pytest.raises(ValueError, match="past the run's end at step 5: pass a --max-steps of at least 6"):
+        train(replace(config, max_steps=5), resume=True, target=target, progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--multi_gpu runs on the GPUs here")
+def test_a_multi_gpu_launch_without_gpus_is_refused_before_anything_is_written(dataset, target, tmp_path):
+    target.save_pretrained(tmp_path / "target")
+    argv = train_argv(tmp_path / "target", dataset, tmp_path / "run", max_steps=2)
+    result = accelerate_launch(["--multi_gpu", "--num_processes", "2", "-m"], ["hf_eagle3", *argv], tmp_path)
+    assert result.returncode != 0
+    assert "hf-eagle3 train: error: This process is one of 2 launched, but accelerate found no device" in result.stderr
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N -m hf_eagle3 train" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_accelerate_launch_mixed_precision_is_the_run_s_unless_the_command_says_otherwise(dataset, target, tmp_path):
+    target.save_pretrained(tmp_path / "target")
+    argv = train_argv(tmp_path / "target", dataset, tmp_path / "run", max_steps=1)
+    # `--cpu --num_processes 2` starts one process (several only through MPI): the run says so and what to use
+    result = accelerate_launch(["--cpu", "--num_processes", "2", "--mixed_precision", "bf16", "-m"],
+                               ["hf_eagle3", *argv], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: training in 1 process" in result.stdout and "ACCELERATE_USE_CPU=1" in result.stdout
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["bf16"] is True
+    result = accelerate_launch(["--num_processes", "1", "--mixed_precision", "bf16", "-m"],
+                               ["hf_eagle3", *train_argv(tmp_path / "target", dataset, tmp_path / "fp32", max_steps=1),
+                                "--no-bf16"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "fp32" / "train_config.json").read_text())["bf16"] is False
+
+
+def safe_open_weights(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        return file.metadata()["main"], {name: file.get_tensor(name) for name in file.keys()}
+
+
+def test_every_setting_is_either_resumable_or_fixed_for_a_stated_reason():
+    fixed = [name for names in trainer_module.FIXED_SETTINGS.values() for name in names]
+    resumable = list(trainer_module.RESUMABLE_CHANGES)
+    assert sorted(fixed + resumable) == sorted(setting.name for setting in dataclass_fields(TrainConfig))
+
+
+def test_the_target_comes_from_the_data_and_another_one_is_refused_naming_both(dataset, target, tmp_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    (data / "manifest.json").write_text(json.dumps({"settings": {"target_name_or_path": "/models/Tiny-Target"}}))
+    assert trainer_module.resolve_target(config_for(data, tmp_path / "run")) == "/models/Tiny-Target"
+    # the same model under another path or Hub id is the same target
+    assert trainer_module.resolve_target(config_for(data, tmp_path / "run", target="org/tiny-target"))
+    with pytest.raises(ValueError, match=r"prepared for the target /models/Tiny-Target \(its manifest.json\), not for "
+                                         r"--target smollm2.*Pass --target /models/Tiny-Target, or prepare"):
+        train(config_for(data, tmp_path / "run", target="smollm2"), target=target, progress=False)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="does not record the target it was prepared for.*pass --target"):
+        trainer_module.resolve_target(config_for(dataset, tmp_path / "run"))

@@ -1,13 +1,19 @@
 """Tree sizing: smaller trees' acceptance read off the largest tree's run (exact, checked against building them),
 measured costs, the acceptance profile and `tune_tree` on a tiny target."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from conftest import VOCAB, tiny_draft
+from safetensors import safe_open
 
+from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.drafter import TreeSettings
+from hf_eagle3.loading import stored_dtype
 from hf_eagle3.tree import build_tree, expand, select_frontier
 from hf_eagle3.calibration import drafting_cost, verification_cost
-from hf_eagle3.tree_sizing import accepted_in_smaller_trees, acceptance_profile, tune_tree
+from hf_eagle3.tree_sizing import accepted_in_smaller_trees, acceptance_profile, save_tuned_draft, tune_tree
 from hf_eagle3.verify import greedy_accept
 
 
@@ -111,3 +117,43 @@ def test_a_profile_with_context_ngram_candidates_matches_its_largest_run(llama_t
         lengths += fitted_draft.generation_stats.acceptance_lengths
     assert shapes[(2, 6)] == pytest.approx(sum(lengths) / len(lengths), abs=1e-4)
     assert shapes[(2, 6)] >= shapes[(1, 2)] >= 1.0
+
+
+def test_a_tuned_draft_is_saved_in_its_stored_dtype_and_never_with_a_default_slower_than_plain(
+        llama_target, tmp_path, capsys):
+    stored = tmp_path / "stored"
+    tiny_draft(draft_vocab_size=VOCAB).to(torch.bfloat16).save_pretrained(stored)
+    draft = Eagle3DraftModel.from_pretrained(stored, dtype=torch.float32)  # tune-tree measures in --dtype
+    prompts = [torch.randint(1, 90, (1, 6)) for _ in range(2)]
+    profile, predictions, costs = tune_tree(llama_target, draft, prompts, top_ks=[1, 3], max_depth=2, max_total=4,
+                                            max_new_tokens=12, progress=False)
+    best = predictions[0]
+
+    def machine_where_the_best_shape_runs_at(speedup):  # the measured costs, with plain decoding as fast as that
+        return replace(costs, plain_step=speedup / best.tokens_per_second)
+
+    message = save_tuned_draft(draft, profile, predictions, machine_where_the_best_shape_runs_at(0.9),
+                               tmp_path / "tuned", stored_dtype(str(stored)))
+    assert "warning: no tree shape is predicted to beat plain decoding on this machine by 5% (the fastest" in (
+        capsys.readouterr().out)
+    assert message.startswith("saved the draft (bfloat16)") and "the fixed tree defaults stay 4x3x12" in message
+    assert tensor_dtypes(tmp_path / "tuned") == tensor_dtypes(stored)  # every tensor as stored: bf16 weights
+    assert "BF16" in tensor_dtypes(stored).values()
+    assert (tmp_path / "tuned" / "model.safetensors").stat().st_size <= 1.05 * (
+        stored / "model.safetensors").stat().st_size
+    tuned = Eagle3DraftModel.from_pretrained(tmp_path / "tuned")
+    assert tuned.config.acceptance_profile == profile and tuned.config.tree_shape == "auto"
+    assert (tuned.config.tree_depth, tuned.config.tree_top_k, tuned.config.tree_total_tokens) == (4, 3, 12)
+
+    message = save_tuned_draft(draft, profile, predictions, machine_where_the_best_shape_runs_at(1.5),
+                               tmp_path / "pays", stored_dtype(str(stored)))
+    assert "warning" not in capsys.readouterr().out and "the fixed tree defaults are this machine's best" in message
+    tuned = Eagle3DraftModel.from_pretrained(tmp_path / "pays")
+    shape = best.settings
+    assert (tuned.config.tree_depth, tuned.config.tree_top_k, tuned.config.tree_total_tokens) == (
+        shape.depth, shape.top_k, shape.total_tokens)
+
+
+def tensor_dtypes(directory):
+    with safe_open(str(directory / "model.safetensors"), "pt") as file:
+        return {name: file.get_slice(name).get_dtype() for name in file.keys()}
