@@ -207,7 +207,8 @@ def _generate_seconds(target, prompt: torch.Tensor, new_tokens: int, repetitions
     runs = []
     for repetition in range(repetitions + 1):
         start = time.perf_counter()
-        target.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, **kwargs)
         if repetition:
             runs.append(time.perf_counter() - start)
     return statistics.median(runs) if runs else 0.0
@@ -235,8 +236,8 @@ def measure_costs(
     prefill = _generate_seconds(target, prompt, 1, 3)
     plain = _generate_seconds(target, prompt, 1 + new_tokens, 3)
     typical = sorted(shapes, key=lambda shape: shape.total_tokens)[len(shapes) // 2]
-    stats = target.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                            assistant_model=draft, tree_depth=typical.depth, tree_top_k=typical.top_k,
+    stats = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, do_sample=False, assistant_model=draft, tree_depth=typical.depth, tree_top_k=typical.top_k,
                             tree_total_tokens=typical.total_tokens, return_dict_in_generate=True).eagle3_stats
     return MachineCosts(
         machine=machine_description(target.device),
