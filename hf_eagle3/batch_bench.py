@@ -4,7 +4,8 @@ batched `generate` against EAGLE-3 batched `generate`, at several batch sizes.
 Each batch size takes the first `batch_size` prompts of the round-robin of MT-bench first turns and HumanEval prompts,
 chat-templated and left-padded as a tokenizer with `padding_side="left"` pads them. EAGLE-3 decodes with
 `tree_shape="auto"`: the tree the calibration predicts fastest at that batch size on this machine (or plain decoding
-when none pays). Both methods run once per batch size before anything is timed; then, per batch size, they run back
+when none pays); with `fixed_tree`, EAGLE-3 with that fixed shape is timed too (what the calibration's choice is
+checked against). The methods run once per batch size before anything is timed; then, per batch size, they run back
 to back `repetitions` times, and each method's time is the median. Greedy outputs are compared row for row.
 """
 
@@ -44,7 +45,8 @@ def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: 
     return total
 
 
-def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens: int, repetitions: int) -> list[dict]:
+def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens: int, repetitions: int,
+                fixed_tree: tuple[int, int, int] | None = None) -> list[dict]:
     texts = [text for pair in zip(prompt_texts("mt-bench"), prompt_texts("humaneval")) for text in pair]
     eos = target.generation_config.eos_token_id
     eos_token_ids = set(eos if isinstance(eos, list) else [eos])
@@ -54,55 +56,59 @@ def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens
         batch = chat_batch(tokenizer, texts[:batch_size])
         width = batch["input_ids"].shape[1]
 
-        def plain():
-            return target.generate(**batch, **kwargs)
-
-        def eagle3():
-            return target.generate(**batch, **kwargs, assistant_model=draft, tree_shape="auto",
-                                   return_dict_in_generate=True)
-
-        plain(), eagle3()  # warm-up (and the calibration at this batch size, once per machine)
-        times = {"plain": [], "eagle3": []}
+        methods = {
+            "plain": dict(),
+            "eagle3": dict(assistant_model=draft, tree_shape="auto", return_dict_in_generate=True),
+        }
+        if fixed_tree:
+            depth, top_k, total_tokens = fixed_tree
+            methods["fixed"] = dict(assistant_model=draft, tree_depth=depth, tree_top_k=top_k,
+                                    tree_total_tokens=total_tokens, return_dict_in_generate=True)
+        for method in methods.values():  # warm-up (and the calibration at this batch size, once per machine)
+            target.generate(**batch, **kwargs, **method)
+        times, outputs = {name: [] for name in methods}, {}
         for _ in range(repetitions):
-            for name, method in (("plain", plain), ("eagle3", eagle3)):
+            for name, method in methods.items():
                 start = time.perf_counter()
-                output = method()
+                outputs[name] = target.generate(**batch, **kwargs, **method)
                 times[name].append(time.perf_counter() - start)
-                if name == "plain":
-                    plain_output = output
-                else:
-                    eagle3_output = output
-        stats = eagle3_output.eagle3_stats
-        tokens = generated_tokens(plain_output, width, eos_token_ids)
+        tokens = generated_tokens(outputs["plain"], width, eos_token_ids)
         seconds = {name: statistics.median(values) for name, values in times.items()}
-        shape = stats.settings
-        rows.append({
-            "batch_size": batch_size,
-            "generated_tokens": tokens,
-            "plain_tokens_per_second": tokens / seconds["plain"],
-            "eagle3_tokens_per_second": tokens / seconds["eagle3"],
-            "speedup": seconds["plain"] / seconds["eagle3"],
-            "tree": f"depth {shape.depth}, top-k {shape.top_k}, {shape.total_tokens} tokens" if shape else "plain",
-            "tau": stats.mean_acceptance_length if shape else 1.0,
-            "identical_rows": sum(torch.equal(a, b) for a, b in zip(eagle3_output.sequences, plain_output)),
-            "shape_choice": stats.shape_choice,
-        })
+        row = {"batch_size": batch_size, "generated_tokens": tokens}
+        for name in methods:
+            row[f"{name}_tokens_per_second"] = tokens / seconds[name]
+            if name == "plain":
+                continue
+            stats = outputs[name].eagle3_stats
+            shape = stats.settings
+            row[name] = {
+                "speedup": seconds["plain"] / seconds[name],
+                "tree": f"depth {shape.depth}, top-k {shape.top_k}, {shape.total_tokens} tokens" if shape else "plain",
+                "tau": stats.mean_acceptance_length if shape else 1.0,
+                "identical_rows": sum(torch.equal(a, b) for a, b in zip(outputs[name].sequences, outputs["plain"])),
+                "shape_choice": stats.shape_choice,
+            }
+        rows.append(row)
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | plain tok/s | EAGLE-3 tok/s | speedup | tree (calibrated) | τ | rows equal |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| batch | method | tok/s | speedup | tree | τ | rows equal to plain |", "|---|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['batch_size']} | {row['plain_tokens_per_second']:.1f} | "
-                     f"{row['eagle3_tokens_per_second']:.1f} | {row['speedup']:.2f}x | {row['tree']} | "
-                     f"{row['tau']:.2f} | {row['identical_rows']}/{row['batch_size']} |")
+        lines.append(f"| {row['batch_size']} | plain | {row['plain_tokens_per_second']:.1f} | 1.00x | | | |")
+        for name, label in (("eagle3", "EAGLE-3, tree_shape='auto'"), ("fixed", "EAGLE-3, fixed tree")):
+            if name in row:
+                method = row[name]
+                lines.append(f"| {row['batch_size']} | {label} | {row[f'{name}_tokens_per_second']:.1f} | "
+                             f"{method['speedup']:.2f}x | {method['tree']} | {method['tau']:.2f} | "
+                             f"{method['identical_rows']}/{row['batch_size']} |")
     return "\n".join(lines) + "\n"
 
 
 def _run(args: argparse.Namespace) -> None:
     target, tokenizer, draft = load_models(args)
-    rows = run_batches(target, tokenizer, draft, args.batch_sizes, args.max_new_tokens, args.repetitions)
+    rows = run_batches(target, tokenizer, draft, args.batch_sizes, args.max_new_tokens, args.repetitions,
+                       tuple(args.fixed_tree) if args.fixed_tree else None)
     print(f"{machine_description(target.device)}, {args.dtype}, {torch.get_num_threads()} threads, "
           f"{args.max_new_tokens} new tokens; {PAD_AFTER_STOP}")
     print(markdown_table(rows))
@@ -117,5 +123,7 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--fixed-tree", type=int, nargs=3, metavar=("DEPTH", "TOP_K", "TOKENS"),
+                        help="also time EAGLE-3 with this fixed tree at every batch size")
     parser.add_argument("--output", help="write the figures to this JSON file")
     parser.set_defaults(run=_run)

@@ -273,3 +273,10 @@ def test_smollm2_batched_greedy_equals_plain_batched_greedy():
         out = target.generate(**batch, **kwargs, assistant_model=draft, return_dict_in_generate=True, **shape)
         assert torch.equal(out.sequences, expected)
         assert out.eagle3_stats.mean_acceptance_length > 1.5
+
+
+def test_throughput_counts_each_rows_tokens_up_to_its_end():
+    from hf_eagle3.batch_bench import generated_tokens
+
+    sequences = torch.tensor([[7, 7, 1, 2, 3, 4], [0, 7, 1, 9, 0, 0], [0, 7, 9, 0, 0, 0]])  # prompt width 2; EOS 9
+    assert generated_tokens(sequences, 2, {9}) == 4 + 2 + 1
