@@ -62,6 +62,10 @@ ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule",
 logger = logging.get_logger(__name__)
 
 
+def _mean(lengths: list[int]) -> float:
+    return sum(lengths) / max(len(lengths), 1)
+
+
 @dataclass
 class Eagle3RowStats:
     """What EAGLE-3 decoding did for one sequence of a call.
@@ -79,7 +83,7 @@ class Eagle3RowStats:
     @property
     def mean_acceptance_length(self) -> float:
         """τ of this row: mean tokens per target forward."""
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+        return _mean(self.acceptance_lengths)
 
 
 @dataclass
@@ -116,8 +120,7 @@ class Eagle3GenerationStats:
     @property
     def mean_acceptance_length(self) -> float:
         """τ: mean tokens per target forward and row (verification cycles only)."""
-        lengths = self.acceptance_lengths
-        return sum(lengths) / max(len(lengths), 1)
+        return _mean(self.acceptance_lengths)
 
     @property
     def other_seconds(self) -> float:
