@@ -6,18 +6,20 @@ Every format is read into one [`DraftCheckpoint`] (our config and weight names, 
 |---|---|---|---|
 | `hub` | hf-eagle3 (`Eagle3DraftModel.save_pretrained`) | yes | yes |
 | `official` | SafeAILab/EAGLE EAGLE-3 | yes | no |
-| `sglang` | SpecForge / SGLang `LlamaForCausalLMEagle3` | yes | yes |
+| `sglang` | SpecForge / SGLang `LlamaForCausalLMEagle3`, AngelSlim `Eagle3LlamaForCausalLM` | yes | yes |
 | `speculators` | vLLM / speculators `Eagle3Speculator` | yes | yes |
 | `modelopt` | NVIDIA ModelOpt | yes | no |
 
 ```python
->>> from conversion import TargetInfo, convert
+>>> from hf_eagle3.conversion import TargetInfo, convert
 >>> convert("EAGLE3-LLaMA3.1-Instruct-8B", "draft", target=TargetInfo(num_hidden_layers=32))  # doctest: +SKIP
 ```
-The command line is `hf-eagle3 convert SRC DST [--from FORMAT] [--to FORMAT]`.
+The command line is `hf-eagle3 convert SRC DST [--from FORMAT] [--to FORMAT]`; `Eagle3DraftModel.from_pretrained` reads
+foreign folders through `read_checkpoint` directly. Where a format's engines read a checkpoint differently, the reading
+chosen is recorded in the converted config (`converted_from["notes"]`); what no reading makes faithful is refused.
 """
 
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, TargetInfo
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo
 from .convert import EXPORT_FORMATS, FORMATS, convert, read_checkpoint, write_checkpoint
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "CheckpointFormat",
     "ConversionError",
     "DraftCheckpoint",
+    "ReadOptions",
     "TargetInfo",
     "convert",
     "read_checkpoint",

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 
-from hf_eagle3 import Eagle3Config, Eagle3DraftModel
+from ..configuration_eagle3 import Eagle3Config
+from ..modeling_eagle3 import Eagle3DraftModel
 
 # Buffers mapping draft ids to target ids: `d2t[i]` is the offset of draft id i (target id = i + d2t[i]) and
 # `t2d[t]` says whether target id t is in the draft vocabulary. Both may be absent from a source checkpoint.
@@ -36,8 +37,9 @@ class ConversionError(ValueError):
 class TargetInfo:
     """What the user tells the converter about the target model; every field is optional.
 
-    Formats that do not record which target layers the draft reads need `num_hidden_layers`; the other fields are
-    recorded in the converted config and cross-checked against the checkpoint.
+    Formats that do not record which target layers the draft reads need `num_hidden_layers`, unless
+    `known_at_generate` says the target will be given to `generate` (which then takes the default taps from it); the
+    other fields are recorded in the converted config and cross-checked against the checkpoint.
     """
 
     num_hidden_layers: int | None = None
@@ -45,6 +47,7 @@ class TargetInfo:
     vocab_size: int | None = None
     model_type: str | None = None
     name_or_path: str | None = None
+    known_at_generate: bool = False
 
     @classmethod
     def from_config_dict(cls, config: dict[str, Any], name_or_path: str | None = None) -> "TargetInfo":
@@ -57,6 +60,27 @@ class TargetInfo:
             model_type=config.get("model_type"),
             name_or_path=name_or_path,
         )
+
+
+YARN_MSCALE_READINGS = ("transformers", "serving")
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """Choices the user makes where a source format's engines read one checkpoint in different ways.
+
+    `yarn_mscale`: how YaRN's `mscale` / `mscale_all_dim` are read. `"transformers"` (the default) keeps them, as
+    transformers and SpecForge's training read them (the attention factor is their ratio of YaRN mscales);
+    `"serving"` drops them, as SGLang and vLLM serve such drafts (attention factor `0.1 ln(factor) + 1`).
+    """
+
+    yarn_mscale: str = "transformers"
+
+    def __post_init__(self):
+        if self.yarn_mscale not in YARN_MSCALE_READINGS:
+            raise ConversionError(
+                f"yarn_mscale must be one of {', '.join(YARN_MSCALE_READINGS)}, got {self.yarn_mscale!r}."
+            )
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,7 @@ class DraftCheckpoint:
         """
         fields = {"share_target_embedding": "embed_tokens.weight" not in tensors, **fields}
         config = _build_config(fields, target or TargetInfo())
+        _check_embedding_width(config)
         tensors = dict(tensors)
         _check_tensors(config, tensors)
         tensors.update(_canonical_vocabulary(config, tensors))
@@ -93,6 +118,7 @@ class DraftCheckpoint:
         """This draft without its own `embed_tokens`, sharing the target's input embedding at run time instead."""
         config = copy.deepcopy(self.config)
         config.share_target_embedding = True
+        _check_embedding_width(config)
         tensors = {name: tensor for name, tensor in self.tensors.items() if name != "embed_tokens.weight"}
         return DraftCheckpoint(config, tensors)
 
@@ -121,7 +147,7 @@ class CheckpointFormat:
     name: str
     description: str
     detect: Callable[[SourceFiles], bool]
-    read: Callable[[SourceFiles, TargetInfo], DraftCheckpoint]
+    read: Callable[[SourceFiles, TargetInfo, ReadOptions], DraftCheckpoint]
     write: Callable[[DraftCheckpoint, Path], None] | None = None
 
 
@@ -155,7 +181,9 @@ def _build_config(fields: dict[str, Any], target: TargetInfo) -> Eagle3Config:
             raise ConversionError(f"The checkpoint records {field}={recorded!r} but the target given has {told!r}.")
         if told is not None:
             fields[field] = told
-    if fields.get("target_layer_ids") is None and fields.get("target_num_hidden_layers") is None:
+    if fields.get("target_layer_ids") is None and fields.get("target_num_hidden_layers") is None and not (
+        target.known_at_generate
+    ):
         raise ConversionError(
             "The checkpoint does not record which target hidden states the draft reads. " + MISSING_TARGET_LAYERS_HINT
         )
@@ -180,6 +208,16 @@ def _build_config(fields: dict[str, Any], target: TargetInfo) -> Eagle3Config:
             "and the target's layer count."
         )
     return config
+
+
+def _check_embedding_width(config: Eagle3Config) -> None:
+    if config.share_target_embedding and config.target_hidden_size != config.hidden_size:
+        raise ConversionError(
+            f"The draft would share the target's token embedding (it has no embed_tokens.weight of its own, or "
+            f"--share-target-embedding was given), but the target's embedding is target_hidden_size="
+            f"{config.target_hidden_size} wide and the draft's hidden_size is {config.hidden_size}: the target's "
+            "embedding cannot feed this draft. Convert a checkpoint that includes the draft's embed_tokens.weight."
+        )
 
 
 def _check_tensors(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:
@@ -218,7 +256,8 @@ def _check_tensors(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> No
 
 
 def _canonical_vocabulary(config: Eagle3Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`d2t`, `t2d` and `lm_head.weight` with the draft vocabulary in ascending target-id order."""
+    """`d2t`, `t2d` and `lm_head.weight` (unless the target's is used) with the draft vocabulary in ascending
+    target-id order."""
     vocab_size, draft_vocab_size = config.vocab_size, config.draft_vocab_size
     draft_ids = torch.arange(draft_vocab_size)
     d2t = tensors.get("d2t")
@@ -241,9 +280,9 @@ def _canonical_vocabulary(config: Eagle3Config, tensors: dict[str, torch.Tensor]
 
     order = torch.argsort(target_ids)
     target_ids = target_ids[order]
-    lm_head = tensors["lm_head.weight"]
-    if not torch.equal(order, draft_ids):
-        lm_head = lm_head[order].contiguous()
+    head = {} if config.share_target_lm_head else {"lm_head.weight": tensors["lm_head.weight"]}
+    if head and not torch.equal(order, draft_ids):
+        head["lm_head.weight"] = head["lm_head.weight"][order].contiguous()
 
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[target_ids] = True
@@ -254,4 +293,4 @@ def _canonical_vocabulary(config: Eagle3Config, tensors: dict[str, torch.Tensor]
         )
     if recorded_t2d is not None and not torch.equal(recorded_t2d, t2d):
         raise ConversionError("t2d and d2t disagree about which target tokens the draft predicts.")
-    return {"d2t": target_ids - draft_ids, "t2d": t2d, "lm_head.weight": lm_head}
+    return {"d2t": target_ids - draft_ids, "t2d": t2d, **head}

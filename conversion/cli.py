@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from .checkpoint import TargetInfo
+from .checkpoint import YARN_MSCALE_READINGS, TargetInfo
 from .convert import EXPORT_FORMATS, FORMATS, convert
 from .files import read_json
 
@@ -41,6 +41,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="SRC's embed_tokens is the target's input embedding: drop it and share the target's at run time",
     )
+    parser.add_argument(
+        "--yarn-mscale",
+        choices=YARN_MSCALE_READINGS,
+        default="transformers",
+        help="how a YaRN draft's mscale / mscale_all_dim are read: as transformers and SpecForge training do "
+        "(default), or ignored, as SGLang and vLLM serve it",
+    )
     parser.set_defaults(run=run)
 
 
@@ -52,6 +59,7 @@ def run(args: argparse.Namespace) -> None:
         to_format=args.to_format,
         target=_target_info(args),
         share_target_embedding=args.share_target_embedding,
+        yarn_mscale=args.yarn_mscale,
     )
     config = checkpoint.config
     print(
@@ -59,6 +67,8 @@ def run(args: argparse.Namespace) -> None:
         f"{config.draft_vocab_size} of {config.vocab_size} target tokens, target hidden_states "
         f"{config.target_layer_ids}, {checkpoint.dtype}."
     )
+    for note in (config.converted_from or {}).get("notes", []):
+        print(f"  note: {note}")
 
 
 def _target_info(args: argparse.Namespace) -> TargetInfo:

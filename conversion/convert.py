@@ -10,7 +10,8 @@ from safetensors import SafetensorError
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
 from . import hub, modelopt, official, sglang, speculators
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, TargetInfo
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo
+from .fields import refuse_last_layer_tap
 from .files import load_source
 
 FORMATS: dict[str, CheckpointFormat] = {
@@ -18,20 +19,30 @@ FORMATS: dict[str, CheckpointFormat] = {
     for checkpoint_format in (hub.FORMAT, official.FORMAT, sglang.FORMAT, speculators.FORMAT, modelopt.FORMAT)
 }
 STAGING_PREFIX = ".hf-eagle3-convert-"
+# Formats a checkpoint detected as the key may be read as on request, because they read its files alike: a
+# `LlamaForCausalLM` draft with `midlayer.*` weights that another project trained (e.g. with YaRN RoPE, which the
+# official code lacks) is served by SGLang and vLLM with its config read as written.
+READABLE_AS = {"official": ("sglang",)}
 EXPORT_FORMATS = tuple(name for name, checkpoint_format in FORMATS.items() if checkpoint_format.write is not None)
 
 
 def read_checkpoint(
-    source: str | Path, format_name: str | None = None, target: TargetInfo | None = None
+    source: str | Path,
+    format_name: str | None = None,
+    target: TargetInfo | None = None,
+    options: ReadOptions | None = None,
+    download: dict | None = None,
 ) -> tuple[DraftCheckpoint, str]:
     """Read and validate the draft at `source` (a folder or a Hub repo id); return it and its format's name.
 
     Without `format_name` the format is detected from the files, and a `ConversionError` lists the candidates when
-    they do not settle it.
+    they do not settle it. A foreign draft's config records the source format and every reading chosen where engines
+    differ (`converted_from`). `download` holds `snapshot_download` arguments (`revision`, `token`, ...) for a Hub id.
     """
-    files = load_source(_local_folder(source))
+    files = load_source(_local_folder(source, download or {}))
     candidates = [name for name, checkpoint_format in FORMATS.items() if checkpoint_format.detect(files)]
-    if format_name is not None and format_name not in candidates and candidates:
+    readable = {*candidates, *(alias for name in candidates for alias in READABLE_AS.get(name, ()))}
+    if format_name is not None and format_name not in readable and candidates:
         # Read as another format, the same config keys mean other things (layer numbering, defaults): refuse.
         raise ConversionError(
             f"{source} is a {' or '.join(candidates)} checkpoint, not {format_name} "
@@ -43,7 +54,11 @@ def read_checkpoint(
             choices = "; ".join(f"{name} ({FORMATS[name].description})" for name in candidates or FORMATS)
             raise ConversionError(f"{source} {found}. Pass --from (from_format=) with one of: {choices}.")
         format_name = candidates[0]
-    return _format(format_name).read(files, target or TargetInfo()), format_name
+    checkpoint = _format(format_name).read(files, target or TargetInfo(), options or ReadOptions())
+    if format_name != "hub":
+        refuse_last_layer_tap(checkpoint.config, f"this {format_name} draft converted to hf-eagle3")
+    return checkpoint, format_name
+
 
 
 def write_checkpoint(checkpoint: DraftCheckpoint, destination: str | Path, format_name: str = "hub") -> None:
@@ -100,13 +115,15 @@ def convert(
     to_format: str = "hub",
     target: TargetInfo | None = None,
     share_target_embedding: bool = False,
+    yarn_mscale: str = "transformers",
 ) -> tuple[DraftCheckpoint, str]:
     """Convert the draft at `source` into a new folder `destination`; return the checkpoint and the source format.
 
     `share_target_embedding=True` states that the checkpoint's own `embed_tokens` is the target's input embedding:
-    it is dropped and the draft shares the target's at run time. Nothing is written when anything fails.
+    it is dropped and the draft shares the target's at run time. `yarn_mscale` picks how a YaRN draft's `mscale`
+    keys are read (see `ReadOptions`). Nothing is written when anything fails.
     """
-    checkpoint, source_format = read_checkpoint(source, from_format, target)
+    checkpoint, source_format = read_checkpoint(source, from_format, target, ReadOptions(yarn_mscale=yarn_mscale))
     if share_target_embedding:
         checkpoint = checkpoint.sharing_target_embedding()
     write_checkpoint(checkpoint, destination, to_format)
@@ -119,7 +136,7 @@ def _format(name: str) -> CheckpointFormat:
     return FORMATS[name]
 
 
-def _local_folder(source: str | Path) -> Path:
+def _local_folder(source: str | Path, download: dict) -> Path:
     """`source` itself when it is a folder; otherwise the Hub repo it names, from the cache or downloaded."""
     folder = Path(source)
     if folder.is_dir():
@@ -127,7 +144,7 @@ def _local_folder(source: str | Path) -> Path:
     if isinstance(source, Path) or str(source).count("/") != 1 or str(source).startswith((".", "/")):
         raise ConversionError(f"{source} is not a folder (nor a Hub repo id of the form org/name).")
     try:
-        return Path(snapshot_download(str(source)))
+        return Path(snapshot_download(str(source), **download))
     except (EntryNotFoundError, HfHubHTTPError) as error:
         raise ConversionError(
             f"{source} is not a folder, and no Hub repo of that name could be fetched: {error}"

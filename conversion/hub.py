@@ -3,16 +3,17 @@
 
 from pathlib import Path
 
-from hf_eagle3 import Eagle3Config
+from ..configuration_eagle3 import Eagle3Config
 
-from .checkpoint import CheckpointFormat, DraftCheckpoint, SourceFiles, TargetInfo, meta_model
+from .checkpoint import CheckpointFormat, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo, meta_model
 
 
 def detect(source: SourceFiles) -> bool:
     return source.config.get("model_type") == Eagle3Config.model_type
 
 
-def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> DraftCheckpoint:
+    # `options` choose between engines' readings of foreign configs; a hub config records its choices already.
     fields = {name: value for name, value in source.config.items() if name in Eagle3Config.__annotations__}
     return DraftCheckpoint.build(fields, source.tensors, target)
 

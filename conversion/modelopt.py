@@ -1,14 +1,15 @@
 """NVIDIA ModelOpt EAGLE-3 exports (`nvidia/*-Eagle3`); import only.
 
-Weights: `layers.0.*` (older exports: `midlayer.*`), `fc`, `norm`, `lm_head`, an optional `d2t` listing the draft
-vocabulary by token frequency (offsets may be negative) and no `t2d`. The reader sorts that vocabulary into
-ascending target ids together with the rows of `lm_head`, which is exact. The config is a Llama config (the target's
-RoPE settings included) with `eagle_config.eagle_aux_hidden_state_layer_ids` numbered as outputs of target layers,
-possibly unsorted; the draft concatenates the taps in layer order whatever the listing order.
+Weights: `layers.{i}.*` (older exports: `midlayer.*`; layers after the first are plain Llama layers), `fc`, `norm`,
+`lm_head`, an optional `d2t` listing the draft vocabulary by token frequency (offsets may be negative) and no `t2d`.
+The reader sorts that vocabulary into ascending target ids together with the rows of `lm_head`, which is exact. The
+config is a Llama config (the target's RoPE settings included) with `eagle_config.eagle_aux_hidden_state_layer_ids`
+numbered as outputs of target layers, possibly unsorted; the draft concatenates the taps in layer order whatever the
+listing order.
 """
 
-from .checkpoint import CheckpointFormat, DraftCheckpoint, SourceFiles, TargetInfo, rename_prefix
-from .fields import draft_fields, hf_layer_ids, refuse_unfaithful
+from .checkpoint import CheckpointFormat, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
+from .fields import draft_fields, head_fields, layer_count, layers_renamed, refuse_unfaithful, target_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name, which ModelOpt exports reuse
 
@@ -30,12 +31,14 @@ def detect(source: SourceFiles) -> bool:
     )
 
 
-def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> DraftCheckpoint:
     eagle_config = source.config.get("eagle_config") or {}
     refuse_unfaithful("ModelOpt", eagle_config, UNFAITHFUL_SETTINGS)
-    fields = draft_fields(source.config, source.config)
-    fields["target_layer_ids"] = hf_layer_ids(eagle_config.get("eagle_aux_hidden_state_layer_ids"))
-    return DraftCheckpoint.build(fields, rename_prefix(source.tensors, "layers.0.", "midlayer."), target)
+    fields = draft_fields("modelopt", source.config, source.config, options)
+    fields["target_layer_ids"] = target_layer_ids(source.config)
+    fields.update(head_fields(fields, source.config, source.tensors))
+    fields["num_hidden_layers"] = layer_count(source.tensors, "layers.", source.config.get("num_hidden_layers"))
+    return DraftCheckpoint.build(fields, layers_renamed(source.tensors, "layers."), target)
 
 
 FORMAT = CheckpointFormat(

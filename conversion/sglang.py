@@ -2,56 +2,90 @@
 
 Weights use our names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, optional `embed_tokens`), saved as
 safetensors. The config is a Llama config plus `draft_vocab_size`, `target_hidden_size` and
-`eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as *outputs* of target layers. SGLang ignores `t2d`,
+`eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as *outputs* of target layers (or a top-level
+`eagle_aux_hidden_state_layer_ids` in `hidden_states` indices, which vLLM reads). AngelSlim writes the same files
+under vLLM's architecture name `Eagle3LlamaForCausalLM`, without layer ids. EAGLE 3.1 drafts set `fc_norm` (weights
+`fc_norm.{0,1,2}`) and `norm_output` (SpecForge's current meaning: the state fed back is taken after the final norm);
+`norm_before_residual` / `norm_before_fc` are read as vLLM reads them in this format (SGLang ignores them). Only one
+decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`,
 silently skips unknown weights and always replaces the draft's embedding with the target's, so the export writes
-exactly the weights SGLang uses and refuses a draft with an embedding of its own.
+exactly the weights SGLang uses and refuses a draft with an embedding of its own. What SGLang has no key for (the
+target's id and layer count, the draft tree settings) is kept under `hf_eagle3`, which SGLang ignores.
 """
 
 from pathlib import Path
 
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, SourceFiles, TargetInfo
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
 from .fields import (
+    carried_fields,
     draft_fields,
     dtype_name,
-    hf_layer_ids,
+    head_fields,
     llama_fields,
+    option_fields,
     output_of_layer_ids,
+    refuse_last_layer_tap,
     refuse_unfaithful,
+    restored_fields,
+    target_layer_ids,
 )
 from .files import write_checkpoint_files
 from .modelopt import MODELOPT_EAGLE_CONFIG_KEYS
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# SpecForge / SGLang's name, and vLLM's, which AngelSlim writes.
+ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 
-# SpecForge / SGLang options of later EAGLE variants that our draft does not implement.
+# SpecForge / SGLang settings of variants that our draft does not implement.
 UNFAITHFUL_SETTINGS = {
     "use_aux_hidden_state": (False, "an EAGLE-1/2 draft fed by the last target layer only"),
-    "fc_norm": (True, "an RMSNorm on each target feature before fc"),
-    "norm_output": (False, "no final norm before lm_head"),
-    "norm_before_residual": (True, "the residual stream taken after hidden_norm"),
-    "tie_word_embeddings": (True, "lm_head aliased to the token embedding"),
 }
+# Options SGLang does not read (vLLM does, in this format too): exporting a draft that uses them would change it.
+SGLANG_IGNORES = ("norm_before_residual", "norm_before_fc", "qk_norm")
 
 
 def detect(source: SourceFiles) -> bool:
     eagle_config = source.config.get("eagle_config") or {}
     return (
-        ARCHITECTURE in source.config.get("architectures", [ARCHITECTURE])
+        any(name in ARCHITECTURES for name in source.config.get("architectures", [ARCHITECTURE]))
         and source.has_weights_under("midlayer.")
         and not any(key in eagle_config for key in MODELOPT_EAGLE_CONFIG_KEYS)
     )
 
 
-def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> DraftCheckpoint:
     eagle_config = source.config.get("eagle_config") or {}
     refuse_unfaithful("SpecForge/SGLang", {**source.config, **eagle_config}, UNFAITHFUL_SETTINGS)
-    fields = draft_fields(source.config, source.config)
-    fields["target_layer_ids"] = hf_layer_ids(eagle_config.get("eagle_aux_hidden_state_layer_ids"))
+    if source.config.get("num_hidden_layers", 1) > 1:
+        raise ConversionError(
+            f"The config sets num_hidden_layers={source.config['num_hidden_layers']}: SGLang's later draft layers "
+            "(additional_layers.*) restart the residual stream from each layer's output and normalise it with "
+            "hidden_norm, unlike vLLM's and speculators' plain Llama layers, which is what Eagle3DraftModel "
+            "implements; the draft is refused rather than converted into another function."
+        )
+    fields = draft_fields("sglang", source.config, source.config, options) | option_fields(source.config)
+    fields["target_layer_ids"] = target_layer_ids(source.config)
+    for name in ("norm_before_residual", "norm_before_fc"):
+        if fields.get(name):
+            fields["converted_from"]["notes"].append(f"{name}=true read as vLLM serves it; SGLang ignores it.")
+    fields.update(head_fields(fields, source.config, source.tensors))
+    fields.update(restored_fields(source.config))
     return DraftCheckpoint.build(fields, source.tensors, target)
 
 
 def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
     config = checkpoint.config
+    refuse_last_layer_tap(config, "the draft served by SGLang")
+    settings = [f"{name}=True" for name in SGLANG_IGNORES if getattr(config, name)]
+    if config.num_hidden_layers > 1:
+        settings.append(f"num_hidden_layers={config.num_hidden_layers}")
+    if config.layer_types is not None and "sliding_attention" in config.layer_types:
+        settings.append(f"layer_types={config.layer_types}")
+    if settings:
+        raise ConversionError(
+            f"The draft uses {', '.join(settings)}, which SGLang does not implement (or, for several layers, "
+            "implements differently): it would serve another function. Export to speculators (vLLM) instead."
+        )
     if not config.share_target_embedding:
         raise ConversionError(
             "SGLang always replaces a draft's token embedding with the target's, and this draft has one of its own "
@@ -62,13 +96,17 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         **llama_fields(config),
-        "draft_vocab_size": config.draft_vocab_size,
+        # SGLang takes a missing draft vocabulary to mean the target's lm_head (`load_lm_head_from_target`).
+        "draft_vocab_size": None if config.share_target_lm_head else config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": output_of_layer_ids(config.target_layer_ids),
             "use_aux_hidden_state": True,
         },
         "torch_dtype": dtype_name(checkpoint.dtype),
+        **carried_fields(config),
     }
     if config.target_model_type is not None:
         sglang_config["target_model_type"] = config.target_model_type

@@ -1,66 +1,81 @@
 """vLLM / vllm-project/speculators drafts (`Eagle3Speculator`); import and export.
 
-Weights: `layers.0.*` for the decoder layer, `fc`, `norm`, `lm_head`, `d2t`, `t2d` (vLLM only reduces the vocabulary
-when `t2d` is present) and an optional `embed_tokens`. The config nests the decoder layer's Llama config in
+Weights: `layers.{i}.*` for the decoder layers (layers after the first are plain Llama layers), `fc`, optional
+`fc_norm.{0,1,2}` / `input_norm`, `norm`, `lm_head`, `d2t`, `t2d` (vLLM only reduces the vocabulary when `t2d` is
+present) and an optional `embed_tokens`. The config nests the decoder layers' Llama or Qwen3 config (q / k norms) in
 `transformer_layer_config` (speculators writes only its non-default fields), keeps `draft_vocab_size`,
-`target_hidden_size`, `norm_before_residual` and `eagle_aux_hidden_state_layer_ids` (our `hidden_states` indices)
-at the top level, and names the target under `speculators_config.verifier`. The first proposal method's
-`speculative_tokens` is vLLM's default number of drafted tokens; it maps to our `tree_depth`.
+`target_hidden_size`, the options `norm_before_residual`, `norm_before_fc`, `fc_norm`, `norm_output` and
+`eagle_aux_hidden_state_layer_ids` (our `hidden_states` indices) at the top level, and names the target under
+`speculators_config.verifier`. The first proposal method's
+`speculative_tokens` is vLLM's default number of drafted tokens; it maps to our `tree_depth`. The rest of the draft
+tree settings and the target's layer count are kept under `hf_eagle3`, which vLLM ignores.
 """
 
 from pathlib import Path
 
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, SourceFiles, TargetInfo, rename_prefix
-from .fields import draft_fields, dtype_name, llama_fields, refuse_unfaithful
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
+from .fields import (
+    OPTION_FIELDS,
+    carried_fields,
+    draft_fields,
+    dtype_name,
+    head_fields,
+    layer_count,
+    layers_named,
+    layers_renamed,
+    llama_fields,
+    option_fields,
+    refuse_last_layer_tap,
+    restored_fields,
+)
 from .files import write_checkpoint_files
 
-LAYER_PREFIX = "layers.0."
-
-UNFAITHFUL_SETTINGS = {
-    "norm_before_residual": (True, "the residual stream taken after hidden_norm"),
-    "norm_before_fc": (True, "an RMSNorm over the concatenated target features before fc"),
-    "norm_output": (True, "the normed state fed back to the next draft step"),
-}
+LAYER_PREFIX = "layers."
 
 
 def detect(source: SourceFiles) -> bool:
     return source.config.get("speculators_model_type") == "eagle3"
 
 
-def read(source: SourceFiles, target: TargetInfo) -> DraftCheckpoint:
+def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> DraftCheckpoint:
     config = source.config
     layer_config = config.get("transformer_layer_config") or {}
-    if layer_config.get("model_type", "llama") != "llama":
-        raise ConversionError(
-            f"transformer_layer_config is a {layer_config['model_type']!r} layer; Eagle3DraftModel has a Llama "
-            "layer only (e.g. Qwen3 layers add per-head q/k norms), so the draft cannot be converted faithfully."
-        )
     if "norm_before_residual" not in config:
+        # speculators' Eagle3SpeculatorConfig always writes it (default false); vLLM's speculators config reader
+        # (`update_eagle3`) reads a missing value as true: a config without it is hand-made and ambiguous.
         raise ConversionError(
             "config.json has no norm_before_residual: speculators reads a missing value as false and vLLM as true, "
             "so what the draft computes is ambiguous. Add the key with the value the draft was trained with."
         )
-    refuse_unfaithful("speculators", config, UNFAITHFUL_SETTINGS)
     speculators_config = config.get("speculators_config") or {}
-    fields = draft_fields(layer_config, config)
+    fields = draft_fields("speculators", layer_config, config, options) | option_fields(config)
+    fields.update(head_fields(fields, {**layer_config, **config}, source.tensors))
+    fields["num_hidden_layers"] = layer_count(source.tensors, LAYER_PREFIX, layer_config.get("num_hidden_layers"))
     fields["target_layer_ids"] = config.get("eagle_aux_hidden_state_layer_ids")
     fields["target_name_or_path"] = (speculators_config.get("verifier") or {}).get("name_or_path") or None
     speculative_tokens = _default_proposal_method(speculators_config).get("speculative_tokens")
     if speculative_tokens is not None:
         fields["tree_depth"] = speculative_tokens
-    return DraftCheckpoint.build(fields, rename_prefix(source.tensors, LAYER_PREFIX, "midlayer."), target)
+    fields.update(restored_fields(config))
+    return DraftCheckpoint.build(fields, layers_renamed(source.tensors, LAYER_PREFIX), target)
 
 
 def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
     config = checkpoint.config
+    refuse_last_layer_tap(config, "the draft served by vLLM")
+    if config.share_target_lm_head:
+        raise ConversionError(
+            "The draft uses the target's lm_head (share_target_lm_head=True), which speculators drafts cannot say: "
+            "vLLM would build an lm_head of its own and find no weights for it. Export to sglang instead."
+        )
     speculators_config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
-        "transformer_layer_config": {"model_type": "llama", **llama_fields(config)},
+        "transformer_layer_config": {"model_type": "qwen3" if config.qk_norm else "llama", **llama_fields(config)},
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
-        # Written explicitly: vLLM reads a missing value as true.
-        "norm_before_residual": False,
+        # Every option written, norm_before_residual above all: vLLM reads a missing value as true.
+        **{name: getattr(config, name) for name in OPTION_FIELDS},
         "eagle_aux_hidden_state_layer_ids": config.target_layer_ids,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -76,8 +91,9 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
             "verifier": {"name_or_path": config.target_name_or_path, "architectures": []},
         },
         "torch_dtype": dtype_name(checkpoint.dtype),
+        **carried_fields(config),
     }
-    write_checkpoint_files(folder, speculators_config, rename_prefix(checkpoint.tensors, "midlayer.", LAYER_PREFIX))
+    write_checkpoint_files(folder, speculators_config, layers_named(checkpoint.tensors, LAYER_PREFIX))
 
 
 def _default_proposal_method(speculators_config: dict) -> dict:
@@ -89,7 +105,7 @@ def _default_proposal_method(speculators_config: dict) -> dict:
 
 FORMAT = CheckpointFormat(
     name="speculators",
-    description="vLLM speculators Eagle3Speculator (layers.0.* weights, hidden_states target ids)",
+    description="vLLM speculators Eagle3Speculator (layers.N.* weights, hidden_states target ids)",
     detect=detect,
     read=read,
     write=write,

@@ -221,8 +221,7 @@ def measure_costs(
     """Measure, on this machine, everything `predict` needs for the shapes of `profile` at `batch_size` (about ten
     seconds for SmolLM2-135M on two CPU cores at batch size 1). The draft's work is measured for one row: rows draft
     one after another."""
-    if draft.config.share_target_embedding and not getattr(draft, "_target_embedding_attached", False):
-        draft.attach_target_embedding(target.get_input_embeddings())
+    draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
     sizes = sorted({1} | {shape.total_tokens + 1 for shape in shapes})
     verify = verification_cost(target, sizes, prefix_length, repetitions, draft.config.target_layer_ids, batch_size)

@@ -15,7 +15,7 @@ COMMAND_MODULES = [
     "hf_eagle3.bench",
     "hf_eagle3.batch_bench",
     "hf_eagle3.tree_sizing",
-    "conversion.cli",
+    "hf_eagle3.conversion.cli",
     "hf_eagle3.hub",
     "hf_eagle3.data",
     "hf_eagle3.trainer",

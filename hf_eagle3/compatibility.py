@@ -5,7 +5,7 @@ from packaging.version import Version
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .configuration_eagle3 import Eagle3Config
+from .configuration_eagle3 import Eagle3Config, default_target_layer_ids
 
 logger = logging.get_logger(__name__)
 # `hf_eagle3.generation` replaces private generation methods whose signatures change between releases.
@@ -21,6 +21,20 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
             f"transformers >={low},<{high}; found {version}. Install a tested version: "
             f"pip install 'transformers>={low},<{high}'."
         )
+
+
+def adopt_target_layers(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
+    """Give a draft whose checkpoint does not say which target layers it reads (official EAGLE-3 and AngelSlim
+    drafts loaded directly) the default taps of `target`, as the official code and vLLM do."""
+    num_layers = getattr(target.config.get_text_config(), "num_hidden_layers", None)
+    if draft_config.target_layer_ids is not None or num_layers is None:
+        return
+    draft_config.target_num_hidden_layers = num_layers
+    draft_config.target_layer_ids = default_target_layer_ids(num_layers)
+    logger.warning_once(
+        f"The draft does not record which target layers it reads: using hidden_states {draft_config.target_layer_ids}"
+        f" of this {num_layers}-layer target, the official choice."
+    )
 
 
 def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
@@ -50,12 +64,24 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> 
             f"draft target_layer_ids={draft_config.target_layer_ids} are outside the target's hidden_states "
             f"indices 0..{num_layers}"
         )
+    elif draft_config.converted_from is not None and num_layers in draft_config.target_layer_ids:
+        problems.append(
+            f"the draft, converted from {draft_config.converted_from['format']}, reads the output of the target's "
+            f"last layer, which its engines take before the target's final norm, but transformers' "
+            f"hidden_states[{num_layers}] is taken after it"
+        )
     embedding = target.get_input_embeddings()
     expected = (draft_config.vocab_size, draft_config.hidden_size)
     if draft_config.share_target_embedding and tuple(embedding.weight.shape) != expected:
         problems.append(
             f"the target's input embedding has shape {tuple(embedding.weight.shape)}, the draft shares it and "
             f"needs {expected}"
+        )
+    head = target.get_output_embeddings()
+    if draft_config.share_target_lm_head and (head is None or tuple(head.weight.shape) != expected):
+        problems.append(
+            f"the target's lm_head has shape {None if head is None else tuple(head.weight.shape)}, the draft shares "
+            f"it and needs {expected}"
         )
     if problems:
         raise ValueError(

@@ -45,7 +45,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from .calibration import choose_tree
-from .compatibility import check_compatibility, record_target_special_tokens
+from .compatibility import adopt_target_layers, check_compatibility, record_target_special_tokens
 from .drafter import DraftProposal, Eagle3Drafter, TreeSettings, max_candidates
 from .modeling_eagle3 import Eagle3DraftModel
 from .ngram import ContinuationAcceptance, find_continuation
@@ -412,7 +412,10 @@ class _Row:
             find_continuation(self.tokens[self.context_start :], max_match, max_tokens) if use_continuations
             else (None, 0)
         )
-        log_rates = self.continuation_acceptance.log_rates(self.match, continuation.numel()) if self.match else None
+        log_rates = (
+            self.continuation_acceptance.log_rates(self.match, continuation.numel(), continuation.device)
+            if self.match else None
+        )
         return self.drafter.draft_tree(self.tokens[-1], root_position, continuation, log_rates)
 
     def accepted(self, proposal: DraftProposal, path: torch.Tensor, record_cycle: bool) -> None:
@@ -494,6 +497,7 @@ def eagle3_generate(
     for unused in ("inputs_tensor", "tokenizer", "assistant_tokenizer"):  # used by generate's own criteria only
         model_kwargs.pop(unused, None)
     _check_generation_mode(generation_config)
+    adopt_target_layers(draft.config, model)
     check_compatibility(draft.config, model)
     _check_device(draft, model)
     record_target_special_tokens(draft.config, model)
@@ -540,8 +544,7 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
     batch_size, device = input_ids.shape[0], input_ids.device
     attention = _TargetAttention(model, exact, model_kwargs.get("attention_mask"), batch_size)
-    if draft.config.share_target_embedding and draft.embed_tokens.weight is not model.get_input_embeddings().weight:
-        draft.attach_target_embedding(model.get_input_embeddings())
+    draft.attach_target(model)
     do_sample = generation_config.do_sample
     temperature = (generation_config.temperature or 1.0) if do_sample else None
     max_match, max_continuation = draft.config.ngram_max_match, draft.config.ngram_max_tokens

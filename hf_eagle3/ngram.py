@@ -55,11 +55,12 @@ class ContinuationAcceptance:
     def prior(cls, max_match: int) -> "ContinuationAcceptance":
         return cls(((1.0,) * _RATE_POSITIONS,) * max_match, ((2.0,) * _RATE_POSITIONS,) * max_match)
 
-    def log_rates(self, match: int, length: int) -> torch.Tensor:
+    def log_rates(self, match: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """`[length]` log acceptance rates of the positions of a continuation found by a `match`-token match."""
         accepted, proposed = self.accepted[match - 1], self.proposed[match - 1]
         last = _RATE_POSITIONS - 1
-        return torch.tensor([math.log(accepted[min(j, last)] / proposed[min(j, last)]) for j in range(length)])
+        rates = [math.log(accepted[min(j, last)] / proposed[min(j, last)]) for j in range(length)]
+        return torch.tensor(rates, device=device)
 
     def updated(self, match: int, kept: int, accepted: int) -> "ContinuationAcceptance":
         """After a cycle that verified the first `kept` continuation tokens of a `match`-token match and accepted the

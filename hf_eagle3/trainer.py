@@ -50,7 +50,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
-from .compatibility import check_compatibility, model_name
+from .compatibility import adopt_target_layers, check_compatibility, model_name, record_target_special_tokens
 from .configuration_eagle3 import Eagle3Config
 from .data import MANIFEST, Example, load_dataset
 from .fingerprint import digest, model_fingerprint
@@ -283,9 +283,9 @@ class TargetFeatures:
 
 def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
     """An `Eagle3Config` shaped like one decoder layer of `target` (a Llama-style causal LM), with the run's
-    vocabulary size, MLP width and EAGLE 3.1 options."""
+    vocabulary size, MLP width and EAGLE 3.1 options, and the target's special-token ids."""
     config = target.config
-    return Eagle3Config(
+    draft_config = Eagle3Config(
         vocab_size=config.vocab_size,
         draft_vocab_size=run.draft_vocab_size,
         hidden_size=config.hidden_size,
@@ -302,6 +302,8 @@ def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
         fc_norm=run.fc_norm,
         norm_before_residual=run.norm_before_residual,
     )
+    record_target_special_tokens(draft_config, target)
+    return draft_config
 
 
 def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: torch.Tensor, init_head: bool):
@@ -321,6 +323,7 @@ def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: 
 def load_initial_draft(config: TrainConfig, target: PreTrainedModel) -> Eagle3DraftModel:
     """The trained draft `config.init_draft` (float32), checked against the target and the run's vocabulary size."""
     initial = Eagle3DraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
+    adopt_target_layers(initial.config, target)  # a foreign checkpoint that does not record its taps
     check_compatibility(initial.config, target)
     if initial.config.draft_vocab_size != config.draft_vocab_size:
         raise ValueError(

@@ -71,6 +71,15 @@ def ttt_attention(
     return output.reshape(batch_size, num_heads, length, head_dim).transpose(1, 2).reshape(batch_size, length, -1)
 
 
+def windowed_causal_mask(causal_mask: torch.Tensor, step: int, window: int) -> torch.Tensor:
+    """The native step's `[T, T]` causal mask for a sliding-window layer at step `step`: row `i` (at position
+    `i + step`) sees the prefix keys at positions `j > i + step - window` only. Its own drafted chain (positions
+    `i + 1 .. i + step`) stays inside the window, as `TrainingTimeTest` checks."""
+    rows = torch.arange(causal_mask.shape[0], device=causal_mask.device)
+    outside = rows[None, :] <= rows[:, None] + step - window
+    return causal_mask.masked_fill(outside, torch.finfo(causal_mask.dtype).min)
+
+
 @dataclass
 class TTTOutput:
     """Result of one training-time-test forward; every tensor but `loss` is detached and has shape `[S]`.
@@ -104,6 +113,11 @@ class TrainingTimeTest(nn.Module):
         super().__init__()
         if steps < 1:
             raise ValueError(f"The number of training-time-test steps must be >= 1, got {steps}.")
+        window = draft.config.sliding_window
+        if window is not None and "sliding_attention" in (draft.config.layer_types or []) and steps >= window:
+            raise ValueError(
+                f"The draft's sliding window ({window}) must be longer than the training-time-test steps ({steps})."
+            )
         self.draft = draft
         self.steps = steps
         self.decay = decay
@@ -115,22 +129,29 @@ class TrainingTimeTest(nn.Module):
         states at `target_layer_ids` concatenated. Row `i` of step `s` is the draft's prediction of `t_{i+s+2}`.
         """
         draft = self.draft
-        attention = draft.midlayer.self_attn
+        draft.check_target_attached()  # a head or embedding still the draft's random one would train silently
+        layers = draft.decoder_layers
         batch_size, length = input_ids.shape
         tokens = shift_left(input_ids)  # t_{i+1}
         features = draft.fuse(target_features)  # g, [B, T, k]
         positions = torch.arange(length, device=input_ids.device)[None].expand(batch_size, -1)
         causal_mask = torch.full((length, length), torch.finfo(features.dtype).min, device=features.device).triu(1)
-        keys, values = [], []
+        keys, values = [[] for _ in layers], [[] for _ in layers]  # per decoder layer, one entry per step
         for step in range(self.steps):
             embeds = draft.embed_tokens(tokens).to(features.dtype)
-            attn_input, residual = draft.midlayer.attention_input(embeds, features)  # [B, T, 2k], [B, T, k]
             position_embeddings = draft.rotary_emb(features, positions + step)
-            query, key, value = attention.project(attn_input, position_embeddings)
-            keys.append(key)
-            values.append(value)
-            attn_output = ttt_attention(query, keys, values, attention.scaling, causal_mask.to(query.dtype))
-            features = draft.midlayer.finish(residual, attention.o_proj(attn_output))  # a^s, [B, T, k]
+            for layer, layer_keys, layer_values in zip(layers, keys, values):
+                attention = layer.self_attn
+                attn_input, residual = layer.attention_input(embeds, features)  # [B, T, 2k | k], [B, T, k]
+                query, key, value = attention.project(attn_input, position_embeddings)
+                layer_keys.append(key)
+                layer_values.append(value)
+                mask = causal_mask
+                if attention.sliding_window is not None:
+                    mask = windowed_causal_mask(causal_mask, step, attention.sliding_window)
+                attn_output = ttt_attention(query, layer_keys, layer_values, attention.scaling, mask.to(query.dtype))
+                features = layer.finish(residual, attention.o_proj(attn_output))  # [B, T, k]
+            features = draft.output_feature(features)  # a^s
             yield features
             # Next step: same rows, one position further on; the feature a^s stays in its row and feeds back.
             tokens = shift_left(tokens)
@@ -191,4 +212,4 @@ class TrainingTimeTest(nn.Module):
         )
 
 
-__all__ = ["TTTOutput", "TrainingTimeTest", "shift_left", "ttt_attention"]
+__all__ = ["TTTOutput", "TrainingTimeTest", "shift_left", "ttt_attention", "windowed_causal_mask"]

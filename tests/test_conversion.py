@@ -17,8 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from conversion import ConversionError, TargetInfo, convert
-from hf_eagle3 import Eagle3DraftModel, cli
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_eagle3.conversion import ConversionError, TargetInfo, convert
+from hf_eagle3 import Eagle3DraftModel, check_compatibility, cli
 
 from conftest import tiny_draft
 
@@ -50,39 +52,70 @@ class Fixture:
     target_hidden: int
     expected_layer_ids: list[int]
     target: TargetInfo = field(default_factory=TargetInfo)
+    # What the source engine computes beyond plain EAGLE-3: any of fc_norm, norm_before_fc, norm_before_residual,
+    # norm_output, qk_norm (True), and the number of decoder layers (later ones stored as `layers.{i}.`).
+    options: dict = field(default_factory=dict)
+    num_layers: int = 1
+    sliding_window: int | None = None  # of every layer
+    first_position: int = 3000  # of the compared forward: far out, where the RoPE base and scaling matter
 
 
 # --- fixtures, written as each project writes them -------------------------------------------------------------
 
 
-def eagle3_weights(layer_prefix: str, target_hidden: int, dtype: torch.dtype, seed: int = 0) -> dict:
-    """Random weights of one EAGLE-3 draft under the official key names, decoder layer under `layer_prefix`."""
+def eagle3_weights(
+    layer_prefix: str, target_hidden: int, dtype: torch.dtype, seed: int = 0, *, num_layers: int = 1,
+    fc_norm: bool = False, norm_before_fc: bool = False, qk_norm: bool = False, intermediate: int = INTERMEDIATE,
+) -> dict:
+    """Random weights of one EAGLE-3 draft under the official key names, first decoder layer under `layer_prefix`,
+    later ones (plain Llama layers) under `layers.{i}.`; optional EAGLE 3.1 / speculators norms."""
     generator = torch.Generator().manual_seed(seed)
 
     def linear(rows, columns):
         return (torch.randn(rows, columns, generator=generator) / math.sqrt(columns)).to(dtype)
 
-    def norm():
-        return (1 + 0.1 * torch.randn(HIDDEN, generator=generator)).to(dtype)
+    def norm(width=HIDDEN):
+        return (1 + 0.1 * torch.randn(width, generator=generator)).to(dtype)
 
-    layer = {
-        "self_attn.q_proj.weight": linear(HEADS * HEAD_DIM, 2 * HIDDEN),
-        "self_attn.k_proj.weight": linear(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "self_attn.v_proj.weight": linear(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "self_attn.o_proj.weight": linear(HIDDEN, HEADS * HEAD_DIM),
-        "mlp.gate_proj.weight": linear(INTERMEDIATE, HIDDEN),
-        "mlp.up_proj.weight": linear(INTERMEDIATE, HIDDEN),
-        "mlp.down_proj.weight": linear(HIDDEN, INTERMEDIATE),
-        "hidden_norm.weight": norm(),
-        "input_layernorm.weight": norm(),
-        "post_attention_layernorm.weight": norm(),
-    }
+    def layer(index):
+        width = 2 * HIDDEN if index == 0 else HIDDEN
+        weights = {
+            "self_attn.q_proj.weight": linear(HEADS * HEAD_DIM, width),
+            "self_attn.k_proj.weight": linear(KV_HEADS * HEAD_DIM, width),
+            "self_attn.v_proj.weight": linear(KV_HEADS * HEAD_DIM, width),
+            "self_attn.o_proj.weight": linear(HIDDEN, HEADS * HEAD_DIM),
+            "mlp.gate_proj.weight": linear(intermediate, HIDDEN),
+            "mlp.up_proj.weight": linear(intermediate, HIDDEN),
+            "mlp.down_proj.weight": linear(HIDDEN, intermediate),
+            "input_layernorm.weight": norm(),
+            "post_attention_layernorm.weight": norm(),
+            **({"hidden_norm.weight": norm()} if index == 0 else {}),
+            **({f"self_attn.{name}.weight": norm(HEAD_DIM) for name in ("q_norm", "k_norm")} if qk_norm else {}),
+        }
+        prefix = layer_prefix if index == 0 else f"layers.{index}."
+        return {prefix + name: tensor for name, tensor in weights.items()}
+
     return {
-        **{layer_prefix + name: tensor for name, tensor in layer.items()},
+        **{name: tensor for index in range(num_layers) for name, tensor in layer(index).items()},
         "norm.weight": norm(),
         "fc.weight": linear(HIDDEN, 3 * target_hidden),
         "lm_head.weight": linear(DRAFT_VOCAB, HIDDEN),
+        **({f"fc_norm.{i}.weight": norm(target_hidden) for i in range(3)} if fc_norm else {}),
+        **({"input_norm.weight": norm(3 * target_hidden)} if norm_before_fc else {}),
     }
+
+
+def our_names(fixture: "Fixture") -> dict[str, torch.Tensor]:
+    """The fixture's tensors under Eagle3DraftModel's names."""
+    renamed = {}
+    for name, tensor in fixture.tensors.items():
+        if name.startswith(fixture.layer_prefix):
+            name = "midlayer." + name.removeprefix(fixture.layer_prefix)
+        elif name.startswith("layers."):
+            index, rest = name.removeprefix("layers.").split(".", 1)
+            name = f"extra_layers.{int(index) - 1}.{rest}"
+        renamed[name] = tensor
+    return renamed
 
 
 def sorted_vocabulary(seed: int = 1) -> torch.Tensor:
@@ -178,9 +211,8 @@ def official_fixture(folder: Path) -> Fixture:
     )  # fmt: skip
 
 
-def sglang_fixture(folder: Path) -> Fixture:
+def sglang_fixture(folder: Path, target_hidden: int = 48) -> Fixture:
     """SpecForge `save_pretrained`: bf16 safetensors with its own embedding, a wider target, output-of-layer ids."""
-    target_hidden = 48
     draft_to_target = sorted_vocabulary()
     generator = torch.Generator().manual_seed(2)
     tensors = {
@@ -207,6 +239,18 @@ def sglang_fixture(folder: Path) -> Fixture:
     return Fixture(tensors, "midlayer.", draft_to_target, 1e-5, rope_frequencies(500000.0), target_hidden, [2, 6, 9])
 
 
+def speculators_settings(verifier: str, architecture: str) -> dict:
+    """`speculators_config` as speculators writes it: greedy proposals of 3 tokens, the verifier named."""
+    return {
+        "algorithm": "eagle3",
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0}
+        ],
+        "verifier": {"name_or_path": verifier, "architectures": [architecture]},
+    }
+
+
 def speculators_fixture(folder: Path) -> Fixture:
     """speculators: fp32, `layers.0.*`, HF-index ids, a layer config holding only non-default fields."""
     draft_to_target = sorted_vocabulary()
@@ -225,14 +269,7 @@ def speculators_fixture(folder: Path) -> Fixture:
             "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": [2, 6, 9],
             "embed_requires_grad": False,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [
-                    {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0}
-                ],
-                "verifier": {"name_or_path": "org/target-llama", "architectures": ["LlamaForCausalLM"]},
-            },
+            "speculators_config": speculators_settings("org/target-llama", "LlamaForCausalLM"),
             "torch_dtype": "float32",
         },
     )
@@ -274,31 +311,215 @@ def modelopt_fixture(folder: Path) -> Fixture:
     )  # fmt: skip
 
 
+def angelslim_vl_fixture(folder: Path) -> Fixture:
+    """AngelSlim, mirroring Tencent/AngelSlim `train/configs/qwen3-vl-4b-eagle3-mrope.json`: vLLM's architecture
+    name, no layer ids, `tie_word_embeddings: true` with a draft-vocabulary `lm_head`, Qwen3-VL's interleaved mrope."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {**eagle3_weights("midlayer.", HIDDEN, torch.bfloat16), **mapping_buffers(draft_to_target)}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(
+        folder / "config.json",
+        llama_config(
+            architectures=["Eagle3LlamaForCausalLM"],
+            model_type="llama",
+            attention_bias=False,
+            attention_dropout=0.0,
+            bos_token_id=151643,
+            dtype="bfloat16",
+            eos_token_id=151645,
+            head_dim=HEAD_DIM,
+            initializer_range=0.02,
+            max_position_embeddings=262144,
+            num_hidden_layers=1,
+            rms_norm_eps=1e-6,
+            rope_scaling={"type": "default", "rope_type": "default", "mrope_interleaved": True,
+                          "mrope_section": [2, 1, 1]},
+            rope_theta=5000000,
+            use_cache=True,
+            tie_word_embeddings=True,
+            transformers_version="4.57.1",
+            draft_vocab_size=DRAFT_VOCAB,
+            modal_type="VLM",
+        ),
+    )
+    return Fixture(
+        tensors, "midlayer.", draft_to_target, 1e-6, rope_frequencies(5e6), HIDDEN, DEFAULT_TAPS,
+        target=TargetInfo(num_hidden_layers=TARGET_LAYERS),
+    )  # fmt: skip
+
+
+def specforge_vl_fixture(folder: Path) -> Fixture:
+    """SpecForge's Qwen2.5-VL draft (`configs/qwen2.5-vl-32b-eagle3.json`): legacy `type: mrope` RoPE scaling, which
+    transformers' LlamaConfig does not know."""
+    fixture = sglang_fixture(folder, target_hidden=HIDDEN)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+    write_json(folder / "config.json", config)
+    return Fixture(**{**fixture.__dict__, "inv_freq": rope_frequencies(1e6)})
+
+
+def specforge_eagle31_fixture(folder: Path) -> Fixture:
+    """SpecForge EAGLE 3.1, mirroring sgl-project/SpecForge `configs/qwen3-30B-A3B-eagle3.1.json`: `fc_norm` and
+    `norm_output` (the state fed back is taken after the final norm), no layer ids, embedding dropped on save."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {**eagle3_weights("midlayer.", HIDDEN, torch.bfloat16, fc_norm=True), **mapping_buffers(draft_to_target)}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(
+        folder / "config.json",
+        eagle3_llama_config(
+            attention_bias=False, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, fc_norm=True,
+            initializer_range=0.02, max_position_embeddings=2048, max_window_layers=48, norm_output=True,
+            rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1000000.0, sliding_window=None, torch_dtype="bfloat16",
+            transformers_version="4.53.2", use_cache=True, use_sliding_window=False,
+        ),
+    )
+    return Fixture(
+        tensors, "midlayer.", draft_to_target, 1e-6, rope_frequencies(1e6), HIDDEN, DEFAULT_TAPS,
+        target=TargetInfo(num_hidden_layers=TARGET_LAYERS), options={"fc_norm": True, "norm_output": True},
+    )  # fmt: skip
+
+
+def speculators_variant_fixture(
+    folder: Path, options: dict, layer_config: dict | None = None, num_layers: int = 1, dtype=torch.bfloat16
+) -> Fixture:
+    """speculators `Eagle3Speculator` with the top-level option keys `options` and extra `transformer_layer_config`
+    fields; `num_layers` decoder layers `layers.{i}.*`."""
+    draft_to_target = sorted_vocabulary()
+    tensors = {
+        **eagle3_weights(
+            "layers.0.", HIDDEN, dtype, num_layers=num_layers, fc_norm=options.get("fc_norm", False),
+            norm_before_fc=options.get("norm_before_fc", False), qk_norm=options.get("qk_norm", False),
+        ),
+        **mapping_buffers(draft_to_target),
+    }  # fmt: skip
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    layer_config = llama_config(**{"model_type": "llama", "num_hidden_layers": num_layers, "rope_theta": 1e6,
+                                   **(layer_config or {})})
+    write_json(
+        folder / "config.json",
+        {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.3.0",
+            "transformer_layer_config": layer_config,
+            "draft_vocab_size": DRAFT_VOCAB,
+            "norm_before_residual": False,
+            **{name: value for name, value in options.items() if name != "qk_norm"},
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": [2, 6, 9],
+            "speculators_config": speculators_settings("org/target", "Qwen3ForCausalLM"),
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        },
+    )
+    return Fixture(
+        tensors, "layers.0.", draft_to_target, 1e-6, rope_frequencies(1e6), HIDDEN, [2, 6, 9], options=options,
+        num_layers=num_layers,
+    )  # fmt: skip
+
+
+def speculators_qwen3_fixture(folder: Path) -> Fixture:
+    """RedHatAI's Qwen3 speculators drafts (e.g. Qwen3-30B-A3B-Instruct-2507-speculator.eagle3): a `qwen3` layer
+    config (per-head q / k norms; Qwen3Config's defaults for what `to_diff_dict` leaves out) and
+    `norm_before_residual: true`. Reconstructed from speculators' and vLLM's code, not from a released file."""
+    return speculators_variant_fixture(
+        folder, {"norm_before_residual": True, "qk_norm": True}, {"model_type": "qwen3", "head_dim": HEAD_DIM}
+    )
+
+
+def speculators_gpt_oss_fixture(folder: Path) -> Fixture:
+    """RedHatAI/gpt-oss-20b-speculator.eagle3 as public loaders describe it: `norm_before_fc` (`input_norm` over the
+    concatenated taps) and `norm_before_residual`."""
+    return speculators_variant_fixture(folder, {"norm_before_fc": True, "norm_before_residual": True})
+
+
+def speculators_eagle31_fixture(folder: Path) -> Fixture:
+    """speculators EAGLE 3.1: `fc_norm.{0,1,2}.weight` and `norm_output` (reconstructed from the EAGLE 3.1 notes)."""
+    return speculators_variant_fixture(folder, {"fc_norm": True, "norm_output": True}, dtype=torch.float32)
+
+
+def speculators_two_layer_fixture(folder: Path) -> Fixture:
+    """A two-layer speculators draft (`layers.1.*` a plain Llama layer, as vLLM's llama_eagle3 builds it)."""
+    return speculators_variant_fixture(folder, {}, num_layers=2)
+
+
+def speculators_sliding_fixture(folder: Path) -> Fixture:
+    """A speculators draft whose layer config sets `layer_types: ["sliding_attention"]` and `sliding_window` (as
+    gpt-oss drafts do; vLLM applies the window). Compared from position 0, where the cache indexes positions."""
+    fixture = speculators_variant_fixture(folder, {}, {"layer_types": ["sliding_attention"], "sliding_window": 3})
+    return Fixture(**{**fixture.__dict__, "sliding_window": 3, "first_position": 0})
+
+
+def sglang_llama4_fixture(folder: Path) -> Fixture:
+    """A `llama4_text` draft layer config: SGLang's llama_eagle3 sizes the dense MLP by `intermediate_size_mlp`
+    (`intermediate_size` is the MoE expert width). Reconstructed from SGLang's code."""
+    fixture = sglang_fixture(folder, target_hidden=HIDDEN)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="llama4_text", intermediate_size=8, intermediate_size_mlp=INTERMEDIATE)
+    write_json(folder / "config.json", config)
+    return fixture
+
+
+def sglang_sharded_fixture(folder: Path) -> Fixture:
+    """The SpecForge draft saved in two safetensors shards with a `model.safetensors.index.json`, as
+    `save_pretrained(max_shard_size=...)` writes large drafts."""
+    fixture = sglang_fixture(folder)
+    (folder / "model.safetensors").unlink()
+    names = sorted(fixture.tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        save_file({name: fixture.tensors[name] for name in shard_names}, folder / shard, metadata={"format": "pt"})
+    weight_map = {name: shard for shard, shard_names in shards.items() for name in shard_names}
+    write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
+    return fixture
+
+
+def modelopt_target_head_fixture(folder: Path) -> Fixture:
+    """ModelOpt's gpt-oss-120b draft as the issue describes it: no lm_head (the target's is used), no d2t, the whole
+    vocabulary. Reconstructed from that description and SGLang's `load_lm_head_from_target`."""
+    fixture = modelopt_fixture(folder)
+    tensors = {name: t for name, t in fixture.tensors.items() if name not in ("lm_head.weight", "d2t")}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update(draft_vocab_size=VOCAB)
+    write_json(folder / "config.json", config)
+    return Fixture(**{**fixture.__dict__, "tensors": tensors, "draft_to_target": torch.arange(VOCAB)})
+
+
+# family -> (format it is detected as, fixture)
 FIXTURES = {
-    "official": official_fixture,
-    "sglang": sglang_fixture,
-    "speculators": speculators_fixture,
-    "modelopt": modelopt_fixture,
+    "official": ("official", official_fixture),
+    "sglang": ("sglang", sglang_fixture),
+    "speculators": ("speculators", speculators_fixture),
+    "modelopt": ("modelopt", modelopt_fixture),
+    "angelslim-vl": ("sglang", angelslim_vl_fixture),
+    "specforge-vl": ("sglang", specforge_vl_fixture),
+    "specforge-eagle3.1": ("sglang", specforge_eagle31_fixture),
+    "specforge-llama4": ("sglang", sglang_llama4_fixture),
+    "speculators-qwen3": ("speculators", speculators_qwen3_fixture),
+    "speculators-gpt-oss": ("speculators", speculators_gpt_oss_fixture),
+    "speculators-eagle3.1": ("speculators", speculators_eagle31_fixture),
+    "speculators-two-layers": ("speculators", speculators_two_layer_fixture),
+    "speculators-sliding": ("speculators", speculators_sliding_fixture),
+    "specforge-sharded": ("sglang", sglang_sharded_fixture),
+    "modelopt-target-head": ("modelopt", modelopt_target_head_fixture),
 }
 
 
 # --- the reference forward, from the formats' shared semantics -------------------------------------------------
 
 
-def reference_logits(fixture: Fixture, embedding: torch.Tensor, input_ids, features, positions) -> torch.Tensor:
-    """One EAGLE-3 draft step on target features, in float32: logits over the draft vocabulary, format order."""
+def reference_forward(fixture: Fixture, embedding: torch.Tensor, input_ids, features, positions, target_head=None):
+    """One draft step on target features, in float32, as the source engine computes it (vLLM's / SGLang's
+    `llama_eagle3`, speculators' `Eagle3Speculator`): logits over the draft vocabulary in the format's order, and the
+    feature fed back at the next step."""
     weights = {name: tensor.float() for name, tensor in fixture.tensors.items()}
-    layer = {
-        name.removeprefix(fixture.layer_prefix): t
-        for name, t in weights.items()
-        if name.startswith(fixture.layer_prefix)
-    }
+    options = fixture.options
+
+    def layer_weights(prefix):
+        return {name.removeprefix(prefix): t for name, t in weights.items() if name.startswith(prefix)}
 
     def rms_norm(x, weight):
         return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + fixture.rms_norm_eps)
-
-    def heads(x, projection, count):
-        return (x @ layer[projection].T).view(*x.shape[:2], count, HEAD_DIM).transpose(1, 2)
 
     def rotate(x):  # rotate-half RoPE, [B, heads, T, D]
         angles = positions[:, None].double() * fixture.inv_freq[None, :]
@@ -306,23 +527,47 @@ def reference_logits(fixture: Fixture, embedding: torch.Tensor, input_ids, featu
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin
 
+    def attention(layer, attn_in):
+        def heads(projection, count, norm=None):
+            x = (attn_in @ layer[projection].T).view(*attn_in.shape[:2], count, HEAD_DIM)
+            return (rms_norm(x, layer[norm]) if norm and options.get("qk_norm") else x).transpose(1, 2)
+
+        query = rotate(heads("self_attn.q_proj.weight", HEADS, "self_attn.q_norm.weight"))
+        key = rotate(heads("self_attn.k_proj.weight", KV_HEADS, "self_attn.k_norm.weight"))
+        key = key.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        value = heads("self_attn.v_proj.weight", KV_HEADS).repeat_interleave(HEADS // KV_HEADS, dim=1)
+        length = input_ids.shape[1]
+        scores = query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM)
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        if fixture.sliding_window is not None:
+            apart = positions[:, None] - positions[None, :]
+            scores = scores.masked_fill(apart >= fixture.sliding_window, float("-inf"))
+        attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(*input_ids.shape, HEADS * HEAD_DIM)
+        return attended @ layer["self_attn.o_proj.weight"].T
+
+    def mlp(layer, x):
+        normed = rms_norm(x, layer["post_attention_layernorm.weight"])
+        gate = nn.functional.silu(normed @ layer["mlp.gate_proj.weight"].T) * (normed @ layer["mlp.up_proj.weight"].T)
+        return x + gate @ layer["mlp.down_proj.weight"].T
+
+    if options.get("fc_norm"):
+        captures = features.chunk(3, dim=-1)
+        features = torch.cat([rms_norm(c, weights[f"fc_norm.{i}.weight"]) for i, c in enumerate(captures)], -1)
+    if options.get("norm_before_fc"):
+        features = rms_norm(features, weights["input_norm.weight"])
     fused = features @ weights["fc.weight"].T
-    attn_in = torch.cat(
-        [rms_norm(embedding[input_ids], layer["input_layernorm.weight"]), rms_norm(fused, layer["hidden_norm.weight"])],
-        -1,
-    )
-    query = rotate(heads(attn_in, "self_attn.q_proj.weight", HEADS))
-    key = rotate(heads(attn_in, "self_attn.k_proj.weight", KV_HEADS)).repeat_interleave(HEADS // KV_HEADS, dim=1)
-    value = heads(attn_in, "self_attn.v_proj.weight", KV_HEADS).repeat_interleave(HEADS // KV_HEADS, dim=1)
-    length = input_ids.shape[1]
-    scores = query @ key.transpose(-1, -2) / math.sqrt(HEAD_DIM)
-    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-    attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(*input_ids.shape, HEADS * HEAD_DIM)
-    hidden = fused + attended @ layer["self_attn.o_proj.weight"].T
-    normed = rms_norm(hidden, layer["post_attention_layernorm.weight"])
-    mlp = nn.functional.silu(normed @ layer["mlp.gate_proj.weight"].T) * (normed @ layer["mlp.up_proj.weight"].T)
-    hidden = hidden + mlp @ layer["mlp.down_proj.weight"].T
-    return rms_norm(hidden, weights["norm.weight"]) @ weights["lm_head.weight"].T
+    layer = layer_weights(fixture.layer_prefix)
+    normed = rms_norm(fused, layer["hidden_norm.weight"])
+    residual = normed if options.get("norm_before_residual") else fused
+    embedded = rms_norm(embedding[input_ids], layer["input_layernorm.weight"])
+    hidden = residual + attention(layer, torch.cat([embedded, normed], -1))
+    hidden = mlp(layer, hidden)
+    for index in range(1, fixture.num_layers):  # vLLM: plain Llama layers over the feature
+        layer = layer_weights(f"layers.{index}.")
+        hidden = mlp(layer, hidden + attention(layer, rms_norm(hidden, layer["input_layernorm.weight"])))
+    final = rms_norm(hidden, weights["norm.weight"])
+    head = weights.get("lm_head.weight", target_head)  # a draft without its own head uses the target's
+    return final @ head.T, final if options.get("norm_output") else hidden
 
 
 def over_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:
@@ -335,25 +580,26 @@ def over_target_vocabulary(logits: torch.Tensor, draft_to_target: torch.Tensor) 
 # --- imports -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("format_name", list(FIXTURES))
-def test_foreign_checkpoint_converts_exactly(tmp_path, format_name):
-    source, destination = tmp_path / format_name, tmp_path / "hub"
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_foreign_checkpoint_converts_exactly(tmp_path, family):
+    format_name, write_fixture = FIXTURES[family]
+    source, destination = tmp_path / family, tmp_path / "hub"
     source.mkdir()
-    fixture = FIXTURES[format_name](source)
+    fixture = write_fixture(source)
 
     _, detected = convert(source, destination, target=fixture.target)
 
     assert detected == format_name
     # Every saved weight lands, unchanged and in its dtype; nothing is left over or invented.
     converted = load_file(destination / "model.safetensors")
-    renamed = {name.replace(fixture.layer_prefix, "midlayer.", 1): t for name, t in fixture.tensors.items()}
+    renamed = our_names(fixture)
     assert converted.keys() - {"d2t", "t2d"} == renamed.keys() - {"d2t", "t2d"}
     order = fixture.draft_to_target.argsort()
     for name, tensor in converted.items():
         expected = {
-            "d2t": fixture.draft_to_target[order] - torch.arange(DRAFT_VOCAB),
+            "d2t": fixture.draft_to_target[order] - torch.arange(len(order)),
             "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, fixture.draft_to_target, True),
-            "lm_head.weight": renamed["lm_head.weight"][order],
+            **({"lm_head.weight": renamed["lm_head.weight"][order]} if "lm_head.weight" in renamed else {}),
         }.get(name, renamed.get(name))
         assert tensor.dtype == expected.dtype and torch.equal(tensor, expected), name
 
@@ -363,20 +609,63 @@ def test_foreign_checkpoint_converts_exactly(tmp_path, format_name):
     embedding = renamed.get("embed_tokens.weight", torch.randn(VOCAB, HIDDEN, generator=generator)).float()
     if draft.config.share_target_embedding:
         draft.attach_target_embedding(nn.Embedding.from_pretrained(embedding))
+    target_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    if draft.config.share_target_lm_head:
+        draft.attach_target_lm_head(target_head)
     input_ids = torch.randint(VOCAB, (2, 7), generator=generator)
     features = torch.randn(2, 7, 3 * fixture.target_hidden, generator=generator)
-    positions = torch.arange(1000, 1007)  # far out, where the RoPE base and scaling matter
+    positions = torch.arange(fixture.first_position, fixture.first_position + 7)
     with torch.no_grad():
-        logits = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False).logits
-    expected = reference_logits(fixture, embedding, input_ids, features, positions)
+        output = draft(input_ids, features, position_ids=positions[None].expand(2, -1), use_cache=False)
+    with torch.no_grad():
+        expected, expected_feature = reference_forward(
+            fixture, embedding, input_ids, features, positions, target_head.weight
+        )
+    logits = output.logits
+    torch.testing.assert_close(output.hidden_states, expected_feature, rtol=0, atol=5e-5)
 
     torch.testing.assert_close(
         over_target_vocabulary(logits, draft.draft_to_target),
         over_target_vocabulary(expected, fixture.draft_to_target),
         rtol=0,
-        atol=1e-5,
+        atol=5e-5,  # float32 RoPE angles at positions past 3,000; a wrong base or scaling moves logits by O(1)
         equal_nan=True,
     )
+
+
+@pytest.mark.parametrize("family", list(FIXTURES))
+def test_from_pretrained_loads_every_foreign_format_as_its_conversion(tmp_path, family, caplog):
+    """`Eagle3DraftModel.from_pretrained(foreign_dir)` converts in memory: the same draft, and the same `generate`,
+    as loading the converted checkpoint; taps the checkpoint does not record come from the target."""
+    format_name, write_fixture = FIXTURES[family]
+    source = tmp_path / family
+    source.mkdir()
+    fixture = write_fixture(source)
+    convert(source, tmp_path / "hub", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    converted = Eagle3DraftModel.from_pretrained(tmp_path / "hub")
+
+    direct = Eagle3DraftModel.from_pretrained(source)
+
+    assert any(f"is a {format_name} checkpoint: converted in memory" in record.message for record in caplog.records)
+    assert direct.dtype == converted.dtype
+    direct_weights, converted_weights = direct.state_dict(), converted.state_dict()
+    assert direct_weights.keys() == converted_weights.keys()
+    shared = {name for name, shared in (("embed_tokens.weight", converted.config.share_target_embedding),
+                                        ("lm_head.weight", converted.config.share_target_lm_head)) if shared}
+    assert all(torch.equal(direct_weights[name], converted_weights[name]) for name in converted_weights.keys() - shared)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=fixture.target_hidden, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
+    )).eval()  # fmt: skip
+    prompt = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for draft in (direct.float(), converted.float()):
+        outputs.append(target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=12,
+                                       tree_depth=3, tree_top_k=2, tree_total_tokens=6))
+        outputs.append(draft.generation_stats.acceptance_lengths)
+    assert direct.config.target_layer_ids == converted.config.target_layer_ids == fixture.expected_layer_ids
+    assert torch.equal(outputs[0], outputs[2]) and outputs[1] == outputs[3]
 
 
 def test_older_modelopt_export_with_midlayer_names_is_still_modelopt(tmp_path):
@@ -389,6 +678,23 @@ def test_older_modelopt_export_with_midlayer_names_is_still_modelopt(tmp_path):
     assert detected == "modelopt" and checkpoint.config.target_layer_ids == [2, 6, 9]
 
 
+def test_a_llama_draft_with_rope_the_official_code_lacks_reads_as_sglang_on_request(tmp_path):
+    """nebius/EAGLE3-gpt-oss-20b as public loaders describe it: a `LlamaForCausalLM` config with `midlayer.*` weights,
+    `truncated_vocab_size` beside `draft_vocab_size` and YaRN RoPE, which the official code lacks."""
+    official_fixture(tmp_path)
+    yarn = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "rope_type": "yarn", "truncate": False}
+    _rewrite(tmp_path, lambda config: config.update(rope_theta=150000, rope_scaling=yarn,
+                                                    truncated_vocab_size=DRAFT_VOCAB, num_hidden_layers=1))
+    with pytest.raises(ConversionError, match="'yarn'.*convert with --from sglang"):
+        convert(tmp_path, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    checkpoint, detected = convert(
+        tmp_path, tmp_path / "out", from_format="sglang", target=TargetInfo(num_hidden_layers=TARGET_LAYERS)
+    )
+    assert detected == "sglang" and checkpoint.config.target_layer_ids == DEFAULT_TAPS
+    assert checkpoint.config.rope_parameters == {"rope_theta": 150000, **yarn}
+
+
 def test_speculators_records_target_and_speculative_tokens(tmp_path):
     speculators_fixture(tmp_path)
     checkpoint, _ = convert(tmp_path, tmp_path / "hub")
@@ -397,16 +703,139 @@ def test_speculators_records_target_and_speculative_tokens(tmp_path):
     assert checkpoint.config.rms_norm_eps == 1e-6  # LlamaConfig's default, as speculators reads it
 
 
+def test_readings_where_engines_differ_are_recorded(tmp_path):
+    angelslim_vl_fixture(tmp_path)
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    record = json.loads((tmp_path / "hub" / "config.json").read_text())["converted_from"]
+    assert record["format"] == "sglang" and checkpoint.config.converted_from == record
+    assert any("mrope" in note for note in record["notes"])
+    assert any("tie_word_embeddings=true ignored" in note for note in record["notes"])
+
+
+def test_top_level_layer_ids_are_read_as_vllm_reads_them(tmp_path):
+    sglang_fixture(tmp_path)
+    _rewrite(tmp_path, lambda c: (c.pop("eagle_config"), c.update(eagle_aux_hidden_state_layer_ids=[9, 2, 6])))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub")
+    assert checkpoint.config.target_layer_ids == [2, 6, 9]  # hidden_states indices, unlike eagle_config's
+
+
+def test_layer_ids_that_disagree_between_engines_are_refused(tmp_path):
+    sglang_fixture(tmp_path)  # eagle_config ids [1, 5, 8] = hidden_states [2, 6, 9]
+    _rewrite(tmp_path, lambda config: config.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
+    with pytest.raises(ConversionError, match="eagle_aux_hidden_state_layer_ids twice.*remove the one"):
+        convert(tmp_path, tmp_path / "hub")
+    _rewrite(tmp_path, lambda config: config.update(eagle_aux_hidden_state_layer_ids=[2, 6, 9]))
+    assert convert(tmp_path, tmp_path / "hub")[0].config.target_layer_ids == [2, 6, 9]
+
+
+def test_a_tap_on_the_targets_last_layer_is_never_fed_the_post_norm_state(tmp_path):
+    """SGLang / vLLM capture the last layer's output before the final norm; hidden_states[N] is after it."""
+    sglang_fixture(tmp_path)
+    _rewrite(tmp_path, lambda config: config["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 5, 11]))
+    with pytest.raises(ConversionError, match="output of the target's last layer.*final norm"):
+        convert(tmp_path, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    assert not (tmp_path / "out").exists()
+
+    # Converted without the target's layer count, the draft is refused when it meets a target whose last layer it taps.
+    checkpoint, _ = convert(tmp_path, tmp_path / "out")
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=12,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="converted from sglang, reads the output of the target's last layer"):
+        check_compatibility(checkpoint.config, target)
+
+
+@pytest.mark.parametrize("reading, attention_factor", [
+    ("transformers", (0.1 * 1.0 * math.log(4.0) + 1) / (0.1 * 0.5 * math.log(4.0) + 1)),
+    ("serving", 0.1 * math.log(4.0) + 1),
+])
+def test_yarn_mscale_reading_is_chosen_and_stated(tmp_path, reading, attention_factor):
+    sglang_fixture(tmp_path)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 1.0,
+            "mscale_all_dim": 0.5}
+    _rewrite(tmp_path, lambda config: config.update(rope_scaling=yarn))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", yarn_mscale=reading)
+    assert any(f"yarn_mscale='{reading}'" in note for note in checkpoint.config.converted_from["notes"])
+    assert ("mscale" in checkpoint.config.rope_parameters) == (reading == "transformers")
+    draft = Eagle3DraftModel.from_pretrained(tmp_path / "hub")
+    assert draft.rotary_emb.attention_scaling == pytest.approx(attention_factor)
+
+
+def test_identity_vocabulary_with_an_all_zero_t2d_loads_as_the_official_code_does(tmp_path):
+    """Vicuna-style official drafts predict the whole vocabulary and store d2t = 0 and an all-false t2d."""
+    fixture = official_fixture(tmp_path)
+    tensors = dict(fixture.tensors)
+    tensors.update(
+        {"lm_head.weight": torch.randn(VOCAB, HIDDEN).half(), "d2t": torch.zeros(VOCAB, dtype=torch.long),
+         "t2d": torch.zeros(VOCAB, dtype=torch.bool)}
+    )
+    torch.save(tensors, tmp_path / "pytorch_model.bin")
+    _rewrite(tmp_path, lambda config: config.update(draft_vocab_size=VOCAB))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", target=fixture.target)
+    assert torch.equal(checkpoint.tensors["d2t"], torch.zeros(VOCAB, dtype=torch.long))
+    assert bool(checkpoint.tensors["t2d"].all())
+    assert any("d2t / t2d dropped" in note for note in checkpoint.config.converted_from["notes"])
+
+
+def test_a_draft_that_cannot_share_the_narrower_target_embedding_is_refused(tmp_path):
+    fixture = official_fixture(tmp_path)
+    torch.save({**fixture.tensors, "fc.weight": torch.zeros(HIDDEN, 3 * 48).half()}, tmp_path / "pytorch_model.bin")
+    _rewrite(tmp_path, lambda config: config.update(target_hidden_size=48))
+    with pytest.raises(ConversionError, match="target_hidden_size=48 wide and the draft's hidden_size is 32"):
+        convert(tmp_path, tmp_path / "out", target=fixture.target)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("write_fixture", [official_fixture, sglang_fixture, modelopt_fixture, speculators_fixture])
+def test_tie_word_embeddings_is_read_the_same_way_by_every_reader(tmp_path, write_fixture):
+    write_fixture(tmp_path)
+    if write_fixture is speculators_fixture:
+        _rewrite(tmp_path, lambda config: config["transformer_layer_config"].update(tie_word_embeddings=True))
+    else:
+        _rewrite(tmp_path, lambda config: config.update(tie_word_embeddings=True))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+    assert any("tie_word_embeddings=true ignored" in note for note in checkpoint.config.converted_from["notes"])
+
+    weights = tmp_path / ("pytorch_model.bin" if write_fixture is official_fixture else "model.safetensors")
+    tensors = torch.load(weights) if weights.suffix == ".bin" else load_file(weights)
+    tensors.pop("lm_head.weight")
+    torch.save(tensors, weights) if weights.suffix == ".bin" else save_file(tensors, weights)
+    with pytest.raises(ConversionError, match="tie_word_embeddings=true and the checkpoint has no lm_head.weight"):
+        convert(tmp_path, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
+
+
+def test_specforge_norm_output_false_is_plain_eagle3(tmp_path):
+    """SpecForge's `norm_output: false` (the default) feeds back the pre-norm state, as Eagle3DraftModel does."""
+    sglang_fixture(tmp_path)
+    _rewrite(tmp_path, lambda config: config.update(norm_output=False, fc_norm=False))
+    convert(tmp_path, tmp_path / "hub")
+
+
 # --- exports ----------------------------------------------------------------------------------------------------
 
 
+SGLANG_VARIANTS = [{}, {"fc_norm": True, "norm_output": True}]
+SPECULATORS_VARIANTS = [
+    *SGLANG_VARIANTS, {"norm_before_residual": True, "qk_norm": True}, {"norm_before_fc": True},
+    {"num_hidden_layers": 2, "norm_before_residual": True},
+    {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64},
+]
+ROUND_TRIPS = [("sglang", variant) for variant in SGLANG_VARIANTS] + [
+    ("speculators", variant) for variant in SPECULATORS_VARIANTS
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("export_format", ["sglang", "speculators"])
-def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, dtype):
+@pytest.mark.parametrize(
+    "export_format, variant", ROUND_TRIPS, ids=[f"{f}-{'+'.join(v) or 'eagle3'}" for f, v in ROUND_TRIPS]
+)
+def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, variant, dtype):
     draft = tiny_draft(
+        **variant,
         draft_vocab_size=40,
         target_name_or_path="org/target",
         rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING, "original_max_position_embeddings": 256},
+        tree_depth=2, tree_top_k=8, tree_total_tokens=12, tree_shape="auto",
+        acceptance_profile=[{"tree_depth": 2, "tree_top_k": 8, "tree_total_tokens": 12, "tau": 1.9}],
     ).to(dtype)
     draft.save_pretrained(tmp_path / "hub")
 
@@ -417,12 +846,28 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, dtype):
         tmp_path / "hub" / "model.safetensors"
     ).read_bytes()
     original, back = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("hub", "back"))
-    not_carried = {"target_num_hidden_layers", "tree_top_k", "tree_total_tokens"} | (
-        {"target_name_or_path", "tree_depth"} if export_format == "sglang" else set()
-    )
-    assert {k: v for k, v in back.items() if k not in not_carried} == {
-        k: v for k, v in original.items() if k not in not_carried
-    }
+    assert back == original  # the target's id and layer count and the tree settings included
+
+
+@pytest.mark.parametrize("variant, setting", [
+    ({"norm_before_residual": True}, "norm_before_residual=True"),
+    ({"norm_before_fc": True}, "norm_before_fc=True"),
+    ({"qk_norm": True}, "qk_norm=True"),
+    ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": 64}, "layer_types="),
+])
+def test_sglang_export_refuses_what_sglang_does_not_compute(tmp_path, variant, setting):
+    tiny_draft(**variant).save_pretrained(tmp_path / "hub")
+    with pytest.raises(ConversionError, match=f"{setting}.*Export to speculators"):
+        convert(tmp_path / "hub", tmp_path / "out", to_format="sglang")
+    assert not (tmp_path / "out").exists()
+
+
+def test_exports_refuse_a_tap_on_the_targets_last_layer(tmp_path):
+    tiny_draft(target_layer_ids=[2, 4, 8]).save_pretrained(tmp_path / "hub")  # an 8-layer target's hidden_states[8]
+    for export_format in ("sglang", "speculators"):
+        with pytest.raises(ConversionError, match="last layer.*before the target's final norm"):
+            convert(tmp_path / "hub", tmp_path / export_format, to_format=export_format)
 
 
 def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
@@ -438,7 +883,7 @@ def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
 def test_sglang_export_refuses_an_embedding_sglang_would_replace(tmp_path):
     source = tmp_path / "specforge"
     source.mkdir()
-    sglang_fixture(source)
+    sglang_fixture(source, target_hidden=HIDDEN)
     with pytest.raises(ConversionError, match="--share-target-embedding"):
         convert(source, tmp_path / "out", to_format="sglang")
     assert not (tmp_path / "out").exists()
@@ -524,7 +969,7 @@ MALFORMED = {
         _set_config("eagle_config.eagle_aux_hidden_state_layer_ids", [1, 5, 12]),
         r"outside a target with 12 layers",
     ),
-    "fc_norm": (_set_config("fc_norm", True), "fc_norm=True"),
+    "fc_norm without its weights": (_set_config("fc_norm", True), r"missing \['fc_norm.0.weight'"),
     "no aux hidden states": (_set_config("eagle_config.use_aux_hidden_state", False), "EAGLE-1/2"),
     "invalid config": (_set_config("draft_vocab_size", VOCAB + 1), "draft_vocab_size"),
 }
@@ -555,18 +1000,20 @@ def _rewrite(folder: Path, mutate_config=None, extra_tensors=None) -> None:
 
 
 UNFAITHFUL = {
-    "norm_before_residual": (
-        speculators_fixture, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"
-    ),
-    "norm_before_fc": (
-        speculators_fixture, lambda c: c.update(norm_before_fc=True), {"input_norm.weight": torch.ones(3 * HIDDEN)},
-        "norm_before_fc=True",
-    ),
     "norm_before_residual unstated": (
         speculators_fixture, lambda c: c.pop("norm_before_residual"), None, "vLLM as true"
     ),
-    "qwen3 layer": (
-        speculators_fixture, lambda c: c["transformer_layer_config"].update(model_type="qwen3"), None, "'qwen3'"
+    "unknown layer type": (
+        speculators_fixture, lambda c: c["transformer_layer_config"].update(model_type="gemma3"), None, "'gemma3' layer"
+    ),
+    "sliding window without its size": (
+        speculators_fixture, lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention"]), None,
+        "sliding_window >= 1",
+    ),
+    "SGLang's extra layers": (sglang_fixture, lambda c: c.update(num_hidden_layers=2), None, "additional_layers"),
+    "layer count disagrees with the weights": (
+        speculators_fixture, lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), None,
+        "disagree about the draft's depth",
     ),
     "no final norm": (
         modelopt_fixture, lambda c: c["eagle_config"].update(use_last_layernorm=False), None, "use_last_layernorm"
@@ -588,6 +1035,30 @@ def test_unfaithful_conversion_is_refused(tmp_path, write_fixture, mutate_config
     with pytest.raises(ConversionError, match=message):
         convert(source, tmp_path / "out", target=TargetInfo(num_hidden_layers=TARGET_LAYERS))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_without_a_head_over_a_reduced_vocabulary_is_refused(tmp_path):
+    """Without lm_head.weight only a whole-vocabulary draft can use the target's head."""
+    fixture = modelopt_fixture(tmp_path)
+    tensors = {name: t for name, t in fixture.tensors.items() if name != "lm_head.weight"}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ConversionError, match="no lm_head.weight but a reduced draft vocabulary"):
+        convert(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_using_the_targets_head_round_trips_through_sglang_and_not_speculators(tmp_path):
+    (tmp_path / "src").mkdir()
+    modelopt_target_head_fixture(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "hub")
+    convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
+    assert json.loads((tmp_path / "sglang" / "config.json").read_text())["draft_vocab_size"] is None
+    convert(tmp_path / "sglang", tmp_path / "back")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (
+        tmp_path / "hub" / "model.safetensors"
+    ).read_bytes()
+    with pytest.raises(ConversionError, match="share_target_lm_head=True.*Export to sglang"):
+        convert(tmp_path / "hub", tmp_path / "speculators", to_format="speculators")
 
 
 def test_official_checkpoint_needs_the_target_layer_count(tmp_path):
@@ -623,7 +1094,7 @@ def test_existing_destination_is_not_overwritten(tmp_path):
 
 @pytest.fixture
 def only_our_commands(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["conversion.cli", "hf_eagle3.hub"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.hub"])
 
 
 def test_ambiguous_source_asks_for_the_format(tmp_path, capsys, only_our_commands):
@@ -669,6 +1140,18 @@ def test_cli_reads_the_target_config(tmp_path, capsys, only_our_commands):
     write_json(target_config, {"num_hidden_layers": 12, "hidden_size": HIDDEN, "vocab_size": VOCAB + 1})
     with pytest.raises(SystemExit, match="vocab_size"):
         cli.main(["convert", str(source), str(tmp_path / "out2"), "--target-config", str(target_config)])
+
+
+def test_cli_picks_the_yarn_reading_and_prints_the_notes(tmp_path, capsys, only_our_commands):
+    (tmp_path / "src").mkdir()
+    sglang_fixture(tmp_path / "src")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 1.0}
+    _rewrite(tmp_path / "src", lambda config: config.update(rope_scaling=yarn))
+
+    cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--yarn-mscale", "serving"])
+
+    assert "note: YaRN mscale dropped (yarn_mscale='serving')" in capsys.readouterr().out
+    assert "mscale" not in json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
 
 
 def test_non_finite_weights_are_refused(tmp_path):
@@ -739,7 +1222,7 @@ def test_a_converted_folder_has_the_modes_of_a_folder_written_in_place(tmp_path)
 FULL_DISK = """
 import resource, signal, sys
 sys.path.insert(0, {tests!r})
-from conversion import ConversionError, convert
+from hf_eagle3.conversion import ConversionError, convert
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
 try:

@@ -16,7 +16,7 @@ from huggingface_hub import HfApi, ModelCard
 from transformers import AutoModel
 from safetensors.torch import load_file, save_file
 
-from conversion import ConversionError, convert
+from hf_eagle3.conversion import ConversionError, convert
 from hf_eagle3 import Eagle3DraftModel, cli
 from hf_eagle3.bench import methods_from_names, run_benchmark
 from hf_eagle3.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
@@ -182,7 +182,7 @@ def test_from_pretrained_and_convert_resolve_a_repo_id_from_the_local_cache(tmp_
         f"""
         import torch
         from safetensors.torch import load_file
-        from conversion import convert
+        from hf_eagle3.conversion import convert
         from hf_eagle3 import Eagle3DraftModel
 
         draft = Eagle3DraftModel.from_pretrained("org/name")
@@ -241,7 +241,7 @@ def test_push_to_hub_sends_the_checkpoint_and_a_model_card(mocked_hub, saved_dra
 
 @pytest.fixture
 def only_our_commands(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["conversion.cli", "hf_eagle3.hub"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.hub"])
 
 
 def test_push_command_dry_run_lists_the_upload_prints_the_card_and_sends_nothing(

@@ -4,9 +4,11 @@ import json
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel, check_compatibility
 from hf_eagle3.tree import ancestor_matrix
@@ -109,8 +111,32 @@ def test_loading_an_incomplete_checkpoint_is_refused(tmp_path, missing):
 
 def test_forward_without_the_shared_embedding_explains_how_to_attach_it():
     draft = tiny_draft()
-    with pytest.raises(RuntimeError, match="attach_target_embedding"):
+    with pytest.raises(RuntimeError, match=r"target's token embedding, which is not attached.*attach_target\(target\)"):
         draft(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 3 * HIDDEN))
+
+
+def test_a_draft_sharing_the_targets_lm_head_uses_it_and_never_saves_it(tmp_path):
+    """share_target_lm_head: logits are the target's lm_head over the draft's final norm (ModelOpt gpt-oss-120b)."""
+    draft = tiny_draft(draft_vocab_size=VOCAB, share_target_lm_head=True)
+    target = tiny_target()
+    with pytest.raises(RuntimeError, match="token embedding and lm_head, which is not attached"):
+        draft(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 3 * HIDDEN))
+    draft.attach_target(target)
+    assert draft.lm_head.weight is target.lm_head.weight
+    assert "lm_head.weight" not in dict(draft.named_parameters())
+    draft.to(torch.bfloat16)
+    assert target.lm_head.weight.dtype == torch.float32  # the target's head is the target's
+    draft.float()
+    input_ids, features = torch.randint(0, VOCAB, (1, 4)), torch.randn(1, 4, 3 * HIDDEN)
+    with torch.no_grad():
+        output = draft(input_ids, features)
+    torch.testing.assert_close(output.logits, target.lm_head(draft.norm(output.hidden_states)))
+    draft.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path)
+    assert loaded.config.share_target_lm_head
+    with pytest.raises(StrictDataclassClassValidationError, match="draft_vocab_size .* must equal vocab_size"):
+        tiny_draft(share_target_lm_head=True)
 
 
 def test_draft_vocabulary_maps_draft_ids_to_target_ids():
@@ -268,3 +294,66 @@ def test_eagle_3_1_options_survive_save_and_load(tmp_path):
     loaded = Eagle3DraftModel.from_pretrained(tmp_path)
     assert loaded.config.fc_norm and loaded.config.norm_before_residual
     assert torch.equal(loaded.fc_norm[1].weight, draft.fc_norm[1].weight)
+
+
+@pytest.mark.parametrize("variant", [
+    {"norm_output": True}, {"norm_before_fc": True}, {"qk_norm": True}, {"num_hidden_layers": 3},
+    {"num_hidden_layers": 2, "qk_norm": True, "norm_output": True},
+    {"num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 2},
+], ids=lambda variant: "+".join(f"{k}={v}" for k, v in variant.items()))
+def test_public_draft_variants_compute_their_formulas(variant):
+    """norm_output feeds back norm(a); norm_before_fc norms [l ; m ; h] before fc; qk_norm norms each head's query and
+    key before RoPE (Qwen3); later decoder layers are plain Llama layers over the feature (vLLM's llama_eagle3); a
+    sliding-window layer sees the last `sliding_window` positions."""
+    draft = tiny_draft(**variant)
+    draft.attach_target_embedding(tiny_target().get_input_embeddings())
+    for name, parameter in draft.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.uniform_(parameter, 0.5, 1.5)
+    eps, config = draft.config.rms_norm_eps, draft.config
+    input_ids, features = torch.randint(0, VOCAB, (1, 5)), 3.0 * torch.randn(1, 5, 3 * HIDDEN)
+    positions = torch.arange(5)[None]
+
+    def attention(layer, attn_input, cos_sin):
+        attn = layer.self_attn
+        shape = (1, 5, -1, attn.head_dim)
+        query, key = attn.q_proj(attn_input).view(shape), attn.k_proj(attn_input).view(shape)
+        if config.qk_norm:
+            query, key = _rms(query, attn.q_norm.weight, eps), _rms(key, attn.k_norm.weight, eps)
+        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), *cos_sin)
+        value = attn.v_proj(attn_input).view(shape).transpose(1, 2)
+        groups = config.num_attention_heads // config.num_key_value_heads
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        mask = _causal(5)
+        if attn.layer_idx > 0 and config.layer_types:
+            positions_apart = torch.arange(5)[:, None] - torch.arange(5)[None, :]
+            mask = mask.masked_fill(positions_apart >= config.sliding_window, torch.finfo(torch.float32).min)
+        scores = query @ key.transpose(-1, -2) * attn.head_dim**-0.5 + mask
+        return attn.o_proj((scores.softmax(-1) @ value).transpose(1, 2).reshape(1, 5, -1))
+
+    with torch.no_grad():
+        output = draft(input_ids, features)
+        x = draft.fc(_rms(features, draft.input_norm.weight, eps) if config.norm_before_fc else features)
+        cos_sin = draft.rotary_emb(x, positions)
+        layer = draft.midlayer
+        attn_input = torch.cat([_rms(draft.embed_tokens(input_ids), layer.input_layernorm.weight, eps),
+                                _rms(x, layer.hidden_norm.weight, eps)], -1)
+        h = x + attention(layer, attn_input, cos_sin)
+        x = h + layer.mlp(_rms(h, layer.post_attention_layernorm.weight, eps))
+        for layer in draft.extra_layers:
+            h = x + attention(layer, _rms(x, layer.input_layernorm.weight, eps), cos_sin)
+            x = h + layer.mlp(_rms(h, layer.post_attention_layernorm.weight, eps))
+        normed = _rms(x, draft.norm.weight, eps)
+    assert len(draft.extra_layers) == config.num_hidden_layers - 1
+    torch.testing.assert_close(output.hidden_states, normed if config.norm_output else x, rtol=0, atol=1e-5)
+    torch.testing.assert_close(output.logits, draft.lm_head(normed), rtol=0, atol=1e-5)
+
+
+def test_variant_weights_have_the_names_public_checkpoints_use():
+    names = set(tiny_draft(norm_before_fc=True, qk_norm=True, num_hidden_layers=2).state_dict())
+    assert {"input_norm.weight", "midlayer.self_attn.q_norm.weight", "extra_layers.0.self_attn.k_norm.weight",
+            "extra_layers.0.input_layernorm.weight"} <= names
+    assert "extra_layers.0.hidden_norm.weight" not in names
+    assert tiny_draft(num_hidden_layers=2).extra_layers[0].self_attn.q_proj.in_features == HIDDEN
+    with pytest.raises(StrictDataclassClassValidationError, match="fc_norm and norm_before_fc are exclusive"):
+        tiny_draft(fc_norm=True, norm_before_fc=True)

@@ -73,10 +73,14 @@ def test_ttt_memory_grows_linearly_in_steps():
     assert memory[8] < explicit_scores_bytes, memory
 
 
-EAGLE_3_1_OPTIONS = [{}, {"fc_norm": True}, {"norm_before_residual": True}, {"fc_norm": True, "norm_before_residual": True}]
+DRAFT_VARIANTS = [
+    {}, {"fc_norm": True}, {"norm_before_residual": True}, {"fc_norm": True, "norm_before_residual": True},
+    {"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}, {"qk_norm": True}, {"num_hidden_layers": 2},
+    {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
+]
 
 
-@pytest.fixture(params=EAGLE_3_1_OPTIONS, ids=lambda options: "+".join(options) or "eagle3")
+@pytest.fixture(params=DRAFT_VARIANTS, ids=lambda options: "+".join(options) or "eagle3")
 def draft_and_batch(request):
     torch.manual_seed(0)
     draft = tiny_draft(draft_vocab_size=48, **request.param).eval()

@@ -82,9 +82,33 @@ class Eagle3Config(PreTrainedConfig):
             EAGLE 3.1: the decoder layer's residual stream starts from the *normalised* feature
             `hidden_norm(x)` instead of `x`, so the feature fed back at the next draft step keeps a bounded magnitude
             with depth. vLLM / speculators `norm_before_residual`.
+        norm_output (`bool`, *optional*, defaults to `False`):
+            EAGLE 3.1 as SpecForge and speculators train it: the feature fed back at the next draft step is the final
+            norm's output `norm(a)` (the one `lm_head` reads) instead of `a`. SpecForge / SGLang and speculators
+            `norm_output`.
+        norm_before_fc (`bool`, *optional*, defaults to `False`):
+            An RMSNorm (`input_norm`, width `3 * k_t`) over the concatenated target features before `fc` (speculators
+            `norm_before_fc`, e.g. its gpt-oss drafts). Exclusive with `fc_norm`.
+        num_hidden_layers (`int`, *optional*, defaults to 1):
+            Number of decoder layers. The first (`midlayer`) reads the embedding and the feature; the others
+            (`extra_layers.*`) are plain Llama decoder layers over the feature, as vLLM, speculators and ModelOpt run
+            them.
+        layer_types (`list[str]`, *optional*):
+            Attention of each decoder layer, `"full_attention"` or `"sliding_attention"` (speculators / vLLM
+            `layer_types`). Defaults to full attention in every layer.
+        sliding_window (`int`, *optional*):
+            Window of the `"sliding_attention"` layers: a query at position `p` sees the keys at positions
+            `p - sliding_window + 1 .. p`.
+        qk_norm (`bool`, *optional*, defaults to `False`):
+            Qwen3's per-head RMSNorm (`self_attn.q_norm` / `k_norm`, width `head_dim`) on queries and keys before
+            RoPE, in every decoder layer (speculators drafts whose layer config is `qwen3`).
         share_target_embedding (`bool`, *optional*, defaults to `True`):
             When `True` the draft's token embedding is the target's input embedding, attached at run time and never
             written to the draft's checkpoint. When `False` the checkpoint carries its own `embed_tokens.weight`.
+        share_target_lm_head (`bool`, *optional*, defaults to `False`):
+            When `True` the draft has no head of its own: its logits are the target's `lm_head` applied to the
+            draft's final norm, over the whole vocabulary (`draft_vocab_size == vocab_size`), attached at run time and
+            never saved (ModelOpt's gpt-oss-120b drafts; SGLang's `load_lm_head_from_target`).
         tree_depth (`int`, *optional*, defaults to 6):
             Default number of draft expansion steps per decoding cycle (the depth of the draft tree).
         tree_top_k (`int`, *optional*, defaults to 8):
@@ -113,6 +137,12 @@ class Eagle3Config(PreTrainedConfig):
             with context n-gram candidates in the tree. It does not depend on the hardware; `tree_shape="auto"`
             combines the rows of the call's `ngram_candidates` setting (else those without) with the machine's
             measured costs.
+        converted_from (`dict`, *optional*):
+            Set by `hf-eagle3 convert` (and by `from_pretrained` on a foreign checkpoint) when the draft was converted
+            from another project's format: `{"format": ..., "notes": [...]}`, the notes stating every reading chosen
+            where that format's engines read the checkpoint differently (e.g. YaRN's `mscale`). A converted draft
+            never reads `hidden_states[N]` of an `N`-layer target: the engines it comes from feed the last layer's
+            output before the final norm, transformers after it.
 
     ```python
     >>> from hf_eagle3 import Eagle3Config, Eagle3DraftModel
@@ -151,7 +181,14 @@ class Eagle3Config(PreTrainedConfig):
     pad_token_id: int | None = None
     fc_norm: bool = False
     norm_before_residual: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
+    num_hidden_layers: int = 1
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    qk_norm: bool = False
     share_target_embedding: bool = True
+    share_target_lm_head: bool = False
     tree_depth: int = 6
     tree_top_k: int = 8
     tree_total_tokens: int = 60
@@ -160,6 +197,7 @@ class Eagle3Config(PreTrainedConfig):
     ngram_max_match: int = 3
     ngram_max_tokens: int = 10
     acceptance_profile: list[dict] | None = None
+    converted_from: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -172,9 +210,7 @@ class Eagle3Config(PreTrainedConfig):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.target_layer_ids is None and self.target_num_hidden_layers is not None:
-            n = self.target_num_hidden_layers
-            official = [2, n // 2, n - 3]
-            self.target_layer_ids = official if len(set(official)) == 3 and n - 3 > n // 2 else [n // 4, n // 2, n - 1]
+            self.target_layer_ids = default_target_layer_ids(self.target_num_hidden_layers)
         if self.target_layer_ids is not None:
             self.target_layer_ids = sorted(int(i) for i in self.target_layer_ids)
         super().__post_init__(**kwargs)
@@ -183,7 +219,7 @@ class Eagle3Config(PreTrainedConfig):
         """Part of `@strict` validation: the shapes of the draft must be buildable and unambiguous."""
         problems = []
         for name in ("vocab_size", "hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "num_hidden_layers"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if problems:  # the checks below divide by these sizes
@@ -237,8 +273,31 @@ class Eagle3Config(PreTrainedConfig):
                     f"optionally ngram_candidates, got {row}"
                 )
                 break
+        if "sliding_attention" in (self.layer_types or []) and not (self.sliding_window or 0) >= 1:
+            problems.append(f"sliding_attention layers need a sliding_window >= 1, got {self.sliding_window}")
+        if self.share_target_lm_head and self.draft_vocab_size != self.vocab_size:
+            problems.append(
+                f"share_target_lm_head predicts the whole vocabulary: draft_vocab_size ({self.draft_vocab_size}) must "
+                f"equal vocab_size ({self.vocab_size})"
+            )
+        if self.fc_norm and self.norm_before_fc:
+            problems.append("fc_norm and norm_before_fc are exclusive (one norms each target state, one all three)")
+        if self.converted_from is not None and (
+            not isinstance(self.converted_from.get("format"), str)
+            or not isinstance(self.converted_from.get("notes", []), list)
+        ):
+            problems.append(f"converted_from must be {{'format': str, 'notes': [str]}}, got {self.converted_from}")
         if problems:
             raise ValueError("Invalid Eagle3Config: " + "; ".join(problems) + ".")
 
 
-__all__ = ["Eagle3Config"]
+def default_target_layer_ids(num_layers: int) -> list[int]:
+    """The `hidden_states` indices an `num_layers`-layer target is tapped at by default: the official (2, N//2, N-3),
+    or (N//4, N//2, N-1) for targets too shallow for three distinct official taps."""
+    official = [2, num_layers // 2, num_layers - 3]
+    if len(set(official)) == 3 and num_layers - 3 > num_layers // 2:
+        return official
+    return [num_layers // 4, num_layers // 2, num_layers - 1]
+
+
+__all__ = ["Eagle3Config", "default_target_layer_ids"]

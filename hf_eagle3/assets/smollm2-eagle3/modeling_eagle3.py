@@ -12,7 +12,14 @@ positions, its own previous output `a_i`) together with the embedding of token `
 
 EAGLE 3.1 options (arXiv:2605.09992): `fc_norm` normalises each of `l`, `m`, `h` before `fc`
 (`g = fc([fc_norm_0(l) ; fc_norm_1(m) ; fc_norm_2(h)])`); `norm_before_residual` starts the residual stream from
-`hidden_norm(x)` instead of `x` (`x = hidden_norm(x)` before the attention block).
+`hidden_norm(x)` instead of `x` (`x = hidden_norm(x)` before the attention block); `norm_output` feeds back the
+normalised feature (`a <- norm(a)`, logits `lm_head(a)`).
+
+Variants of public drafts: `norm_before_fc` normalises the whole `[l ; m ; h]` (`input_norm`) before `fc`;
+`num_hidden_layers > 1` runs plain Llama decoder layers (`extra_layers.*`, reading `x` alone) after `midlayer`, as
+vLLM does; `layer_types` / `sliding_window` restrict `"sliding_attention"` layers to a window of recent positions;
+`qk_norm` adds Qwen3's per-head RMSNorm on queries and keys before RoPE; `share_target_lm_head` takes the target's
+`lm_head` (attached like the shared embedding) as the draft's head.
 
 Weight names match the official and SpecForge checkpoints (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`).
 This file only imports torch, transformers and safetensors (a transformers dependency), so it also serves as the
@@ -27,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -38,36 +45,50 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
-from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput, cached_file
+from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput, cached_file, logging
 
 from .configuration_eagle3 import Eagle3Config
 
+logger = logging.get_logger(__name__)
+
+
+def _is_sliding(config: Eagle3Config, layer_idx: int) -> bool:
+    return config.layer_types is not None and config.layer_types[layer_idx] == "sliding_attention"
+
 
 class Eagle3Attention(nn.Module):
-    """Grouped-query self-attention whose q / k / v projections read the 2k-wide `[embedding ; feature]` input."""
+    """Grouped-query self-attention. In the first decoder layer (`layer_idx` 0) the q / k / v projections read the
+    2k-wide `[embedding ; feature]` input, in later layers the k-wide feature."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0):
         super().__init__()
         self.config = config
-        self.layer_idx = 0
+        self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        in_features, bias = 2 * config.hidden_size, config.attention_bias
+        self.sliding_window = config.sliding_window if _is_sliding(config, layer_idx) else None
+        in_features, bias = (2 if layer_idx == 0 else 1) * config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(in_features, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        if config.qk_norm:  # Qwen3: one RMSNorm over each head's query / key
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def project(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`[B, T, 2k]` input -> rotated queries `[B, H, T, D]`, rotated keys and values `[B, KV, T, D]`."""
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
@@ -100,13 +121,17 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """A Llama decoder layer with two input streams: the token embedding and the feature (residual) stream."""
+    """A Llama decoder layer. The first (`layer_idx` 0, `midlayer`) has two input streams, the token embedding and
+    the feature (residual) stream; later ones (`num_hidden_layers > 1`, as vLLM runs them) read the feature alone."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # normalises the embedding
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # normalises the feature
-        self.self_attn = Eagle3Attention(config)
+        self.layer_idx = layer_idx
+        # Normalises the embedding in the first layer, the feature in later ones (the plain Llama layer's norm).
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if layer_idx == 0:
+            self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # normalises the feature
+        self.self_attn = Eagle3Attention(config, layer_idx)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
         self.norm_before_residual = config.norm_before_residual
@@ -114,8 +139,11 @@ class Eagle3DecoderLayer(nn.Module):
     def attention_input(
         self, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`([input_layernorm(embedding) ; hidden_norm(feature)]` `[B, T, 2k]`, what q / k / v read, and the residual
-        `[B, T, k]`: the feature itself, or its normalised form with `norm_before_residual`)."""
+        """What q / k / v read and the residual `[B, T, k]`. First layer: `[input_layernorm(embedding) ;
+        hidden_norm(feature)]` `[B, T, 2k]`, and the feature itself or, with `norm_before_residual`, its normalised
+        form. Later layers: `input_layernorm(feature)` `[B, T, k]` and the feature (the embedding is not read)."""
+        if self.layer_idx > 0:
+            return self.input_layernorm(hidden_states), hidden_states
         normed = self.hidden_norm(hidden_states)
         residual = normed if self.norm_before_residual else hidden_states
         return torch.cat([self.input_layernorm(inputs_embeds), normed], dim=-1), residual
@@ -144,7 +172,8 @@ class Eagle3DraftOutput(ModelOutput):
         logits (`torch.FloatTensor` of shape `(batch_size, sequence_length, draft_vocab_size)`):
             Scores over the draft vocabulary; `draft_to_target` maps their indices to target token ids.
         hidden_states (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
-            The draft's output features `a` (before the final norm), fed back as input at the next draft step.
+            The draft's output features `a` (before the final norm, unless `config.norm_output`), fed back as input
+            at the next draft step.
         cache (`Cache`):
             The draft's key / value cache, including the positions of this call.
     """
@@ -191,8 +220,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self.fc_norm = nn.ModuleList(
                 LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(3)
             )
+        if config.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(3 * config.target_hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
+        self.extra_layers = nn.ModuleList(Eagle3DecoderLayer(config, i) for i in range(1, config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
@@ -203,15 +235,28 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.generation_config = GenerationConfig()
         self._generation_stats_of_thread = {}  # thread id -> `Eagle3GenerationStats` (see `generation_stats`)
         self._target_embedding_attached = not config.share_target_embedding
-        if config.share_target_embedding:  # the target's embedding: neither saved nor expected in checkpoints
-            self._keys_to_ignore_on_save = {"embed_tokens.weight"}
-            self._keys_to_ignore_on_load_missing = {r"^embed_tokens\.weight$"}
+        self._target_lm_head_attached = not config.share_target_lm_head
+        shared = self._shared_module_names()
+        if shared:  # the target's modules: neither saved nor expected in checkpoints
+            self._keys_to_ignore_on_save = {f"{name}.weight" for name in shared}
+            self._keys_to_ignore_on_load_missing = {rf"^{name}\.weight$" for name in shared}
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, refusing checkpoints that leave any draft weight uninitialised."""
+        """`PreTrainedModel.from_pretrained`, refusing checkpoints that leave any draft weight uninitialised.
+
+        A folder or Hub repo saved in another project's format (official EAGLE-3, SpecForge / SGLang, AngelSlim, vLLM
+        speculators, NVIDIA ModelOpt) is detected, converted in memory as `hf-eagle3 convert` would convert it, and
+        loaded; `from_format="sglang"` (etc.) names the format where detection cannot settle it. Target layers such a
+        checkpoint does not record are taken from the target when `generate` first sees the draft.
+        """
         output_loading_info = kwargs.pop("output_loading_info", False)
+        from_format = kwargs.pop("from_format", None)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        foreign = _foreign_checkpoint(source, from_format, kwargs)
+        if foreign is not None:  # loaded from memory by the same code path as a saved draft
+            kwargs.pop("pretrained_model_name_or_path", None)
+            args, kwargs = (None, *args[1:]), {**kwargs, "config": foreign.config, "state_dict": foreign.tensors}
         try:
             model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except SafetensorError as error:
@@ -219,15 +264,13 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 f"The weights of the draft at {source!r} cannot be read ({error}): the file is truncated or damaged. "
                 "Download or save the draft again."
             ) from error
-        missing = set(loading_info["missing_keys"])
-        if model.config.share_target_embedding:
-            missing.discard("embed_tokens.weight")
+        missing = set(loading_info["missing_keys"]) - {f"{name}.weight" for name in model._shared_module_names()}
         mismatched = loading_info.get("mismatched_keys") or []
         if missing or mismatched:
             raise ValueError(
                 f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel: missing {sorted(missing)}, "
-                f"wrong shape {sorted(mismatched)}. Convert foreign checkpoints with `hf-eagle3 convert` instead of "
-                "loading them directly."
+                f"wrong shape {sorted(mismatched)}. Its weights do not match its config: save or download the draft "
+                "again (a checkpoint of another project loads directly only with that project's own config.json)."
             )
         target_ids = model.draft_to_target
         in_vocabulary = bool(((target_ids >= 0) & (target_ids < model.config.vocab_size)).all())
@@ -273,27 +316,34 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             raise ImportError("Pushing an EAGLE-3 draft with its model card needs `pip install hf-eagle3`.") from error
         return push_draft(self, repo_id, **kwargs)
 
-    def _shares_attached_embedding(self) -> bool:
-        return self.config.share_target_embedding and getattr(self, "_target_embedding_attached", False)
+    def _shared_module_names(self) -> list[str]:
+        """The draft's modules that are the target's (`embed_tokens`, `lm_head`), as its config says."""
+        return [name for name, shared in (("embed_tokens", self.config.share_target_embedding),
+                                          ("lm_head", self.config.share_target_lm_head)) if shared]
+
+    def _attached_module_names(self) -> list[str]:
+        attached = {"embed_tokens": getattr(self, "_target_embedding_attached", False),
+                    "lm_head": getattr(self, "_target_lm_head_attached", False)}
+        return [name for name in self._shared_module_names() if attached[name]]
 
     def _apply(self, fn, recurse=True):
-        """`to()`, `half()`, `cuda()`... convert the draft's own tensors, never the target's attached embedding."""
-        if not self._shares_attached_embedding():
+        """`to()`, `half()`, `cuda()`... convert the draft's own tensors, never the target's attached modules."""
+        attached = self._attached_module_names()
+        if not attached:
             return super()._apply(fn, recurse)
         modules = self._modules
-        self._modules = {name: module for name, module in modules.items() if name != "embed_tokens"}
+        self._modules = {name: module for name, module in modules.items() if name not in attached}
         try:
             return super()._apply(fn, recurse)
         finally:
             self._modules = modules
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """The draft's own parameters: an attached target embedding is the target's, not the draft's (so
+        """The draft's own parameters: an attached target embedding or lm_head is the target's, not the draft's (so
         `draft.dtype`, `draft.parameters()` and `draft.requires_grad_()` leave it alone)."""
-        shared = f"{prefix}.embed_tokens.weight" if prefix else "embed_tokens.weight"
-        hide = self._shares_attached_embedding()
+        hidden = {f"{prefix}.{name}.weight" if prefix else f"{name}.weight" for name in self._attached_module_names()}
         for name, parameter in super().named_parameters(prefix, recurse, remove_duplicate):
-            if not (hide and name == shared):
+            if name not in hidden:
                 yield name, parameter
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -312,6 +362,37 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             )
         self.embed_tokens.weight = embedding.weight
         self._target_embedding_attached = True
+
+    def attach_target_lm_head(self, lm_head: nn.Linear) -> None:
+        """Share `lm_head` (the target's output layer) as the draft's head (`share_target_lm_head`); nothing is
+        copied."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(lm_head.weight.shape) != expected or getattr(lm_head, "bias", None) is not None:
+            raise ValueError(
+                f"The target's lm_head has shape {tuple(lm_head.weight.shape)}"
+                f"{' and a bias' if getattr(lm_head, 'bias', None) is not None else ''}; the draft expects {expected} "
+                "(vocab_size, hidden_size) without bias. This draft was not made for this target."
+            )
+        self.lm_head.weight = lm_head.weight
+        self._target_lm_head_attached = True
+
+    def attach_target(self, target: PreTrainedModel) -> None:
+        """Share the target's modules the draft's config says it shares (input embedding, lm_head); nothing is
+        copied, and what is attached already stays."""
+        if self.config.share_target_embedding and self.embed_tokens.weight is not target.get_input_embeddings().weight:
+            self.attach_target_embedding(target.get_input_embeddings())
+        if self.config.share_target_lm_head and self.lm_head.weight is not target.get_output_embeddings().weight:
+            self.attach_target_lm_head(target.get_output_embeddings())
+
+    def check_target_attached(self) -> None:
+        """Raise unless the target's modules this draft shares are attached."""
+        missing = [name for name in self._shared_module_names() if name not in self._attached_module_names()]
+        if missing:
+            what = " and ".join({"embed_tokens": "token embedding", "lm_head": "lm_head"}[name] for name in missing)
+            raise RuntimeError(
+                f"This draft shares the target's {what}, which is not attached yet: call `draft.attach_target(target)`"
+                ", or pass the draft to `target.generate(..., assistant_model=draft)`, which attaches it."
+            )
 
     def set_draft_vocabulary(self, target_token_ids: torch.Tensor) -> None:
         """Set the reduced vocabulary from the `draft_vocab_size` distinct target ids it predicts (any order)."""
@@ -348,11 +429,23 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if self.config.fc_norm:
             captures = target_hidden_states.chunk(3, dim=-1)
             target_hidden_states = torch.cat([norm(capture) for norm, capture in zip(self.fc_norm, captures)], dim=-1)
+        if self.config.norm_before_fc:
+            target_hidden_states = self.input_norm(target_hidden_states)
         return self.fc(target_hidden_states)
+
+    @property
+    def decoder_layers(self) -> list[Eagle3DecoderLayer]:
+        """`midlayer`, then the `extra_layers`: the decoder layers in the order they run."""
+        return [self.midlayer, *self.extra_layers]
+
+    def output_feature(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The last decoder layer's output `[B, T, k]` -> the feature `a` fed back at the next draft step (the output
+        itself, or its final norm with `norm_output`)."""
+        return self.norm(hidden_states) if self.config.norm_output else hidden_states
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft features `a` `[B, T, k]` -> logits over the draft vocabulary `[B, T, draft_vocab_size]`."""
-        return self.lm_head(self.norm(hidden_states))
+        return self.lm_head(hidden_states if self.config.norm_output else self.norm(hidden_states))
 
     def forward(
         self,
@@ -380,12 +473,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             logits_to_keep (`int`, *optional*, defaults to 0):
                 Compute logits for the last `logits_to_keep` positions only (0: all).
         """
-        if not self._target_embedding_attached:
-            raise RuntimeError(
-                "This draft shares the target's token embedding, which is not attached yet: call "
-                "`draft.attach_target_embedding(target.get_input_embeddings())`, or pass the draft to "
-                "`target.generate(..., assistant_model=draft)`, which attaches it."
-            )
+        self.check_target_attached()
         hidden_states = hidden_states.to(self.fc.weight.dtype)  # target features may come in the target's dtype
         width = hidden_states.shape[-1]
         if width == 3 * self.config.target_hidden_size:
@@ -405,16 +493,77 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         attention_mask = _additive_mask(attention_mask, query_length, past_length, hidden_states)
 
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        hidden_states = self.midlayer(inputs_embeds, hidden_states, position_embeddings, attention_mask, cache)
+        windowed_mask = None
+        if self.config.sliding_window is not None:
+            if past_length == 0 and bool((position_ids[..., 0] != 0).any()):
+                raise ValueError(
+                    "Sliding-window draft layers take a key's position from its place in the cache: a sequence fed "
+                    "to an empty cache must start at position 0."
+                )
+            windowed_mask = _windowed(
+                attention_mask, position_ids, past_length + query_length, self.config.sliding_window, hidden_states
+            )
+        for layer in self.decoder_layers:
+            mask = windowed_mask if layer.self_attn.sliding_window is not None else attention_mask
+            hidden_states = layer(inputs_embeds, hidden_states, position_embeddings, mask, cache)
+        hidden_states = self.output_feature(hidden_states)
         logits = self.compute_logits(hidden_states[:, -logits_to_keep:])
         return Eagle3DraftOutput(logits=logits, hidden_states=hidden_states, cache=cache)
 
 
+def _windowed(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor, key_length: int, window: int, like: torch.Tensor
+) -> torch.Tensor:
+    """`attention_mask` (additive, or `None` for a single query seeing every key) restricted to a sliding window.
+
+    A key's position is its index in the cache (sequences start at position 0): exact for the verified prefix, and an
+    upper bound for speculative tree entries, which all lie within the tree's depth of the query (shallower than any
+    window in use).
+    """
+    key_positions = torch.arange(key_length, device=like.device)
+    outside = key_positions[None, None, None, :] <= position_ids[:, None, :, None] - window  # [B, 1, T, K]
+    base = attention_mask if attention_mask is not None else torch.zeros((), dtype=like.dtype, device=like.device)
+    return base.masked_fill(outside, torch.finfo(like.dtype).min)
+
+
+# `from_pretrained` arguments that say where a checkpoint's files are.
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+
+
+def _foreign_checkpoint(source, from_format: str | None, kwargs: dict):
+    """The draft at `source` converted in memory (a `DraftCheckpoint`) when it is in another project's format, else
+    `None` (also when `source` has no readable config: the regular loader names that problem)."""
+    if source is None or (from_format in (None, "hub") and not _is_foreign(source, kwargs)):
+        return None
+    # hf_eagle3 is not part of the remote code saved with the draft: inside `try`, transformers' import check of
+    # remote code skips this import.
+    try:
+        from hf_eagle3.conversion import TargetInfo, read_checkpoint
+    except ImportError as error:
+        raise ImportError(
+            f"{source} is a draft in another project's format; loading it needs `pip install hf-eagle3`."
+        ) from error
+    download = {name: kwargs[name] for name in _HUB_KWARGS if name in kwargs and name != "subfolder"}
+    checkpoint, format_name = read_checkpoint(source, from_format, TargetInfo(known_at_generate=True), None, download)
+    notes = (checkpoint.config.converted_from or {}).get("notes", [])
+    logger.warning(
+        f"{source} is a {format_name} checkpoint: converted in memory (`hf-eagle3 convert` writes the conversion "
+        "to disk)" + (": " + " ".join(notes) if notes else ".")
+    )
+    return checkpoint
+
+
+def _is_foreign(source, kwargs: dict) -> bool:
+    try:
+        config, _ = PreTrainedConfig.get_config_dict(source, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    except (OSError, ValueError):
+        return False
+    return config.get("model_type") != Eagle3Config.model_type
+
+
 def _saved_generation_config(source, from_pretrained_kwargs: dict) -> GenerationConfig:
     """The draft's `generation_config.json` where its folder or Hub repo has one, else an empty config."""
-    download = {name: from_pretrained_kwargs[name] for name in (
-        "cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
-        if name in from_pretrained_kwargs}
+    download = {name: from_pretrained_kwargs[name] for name in _HUB_KWARGS if name in from_pretrained_kwargs}
     path = cached_file(source, GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
                        _raise_exceptions_for_connection_errors=False, **download)
     return GenerationConfig.from_pretrained(Path(path).parent) if path else GenerationConfig()
