@@ -2,14 +2,16 @@
 
 Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Auto classes and lets
 `target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`, also inside
-`pipeline("text-generation", model=target, assistant_model=draft)` (the draft, or its path or Hub id).
+`pipeline("text-generation", model=target, assistant_model=draft)` (the draft, or its path or Hub id);
+`target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)` runs the same loop through transformers'
+`custom_generate` extension point.
 """
 
 from transformers import AutoConfig, AutoModel
 
 from .compatibility import check_compatibility, check_transformers_version
 from .configuration_eagle3 import Eagle3Config
-from .generation import Eagle3GenerationStats, install
+from .generation import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
 from .modeling_eagle3 import Eagle3DraftModel
 from .pipelines import install as install_pipeline_support
 
@@ -24,4 +26,12 @@ install()
 install_pipeline_support()
 
 __version__ = "0.1.0"
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "Eagle3GenerationStats", "check_compatibility"]
+__all__ = [
+    "Eagle3Config",
+    "Eagle3DraftModel",
+    "Eagle3GenerateOutput",
+    "Eagle3GenerationStats",
+    "Eagle3RowStats",
+    "check_compatibility",
+    "eagle3_generate",
+]

@@ -9,8 +9,13 @@ tokens per second, against `1 / t_plain` for plain decoding. τ belongs to the d
 *acceptance profile*, `Eagle3Config.acceptance_profile`, recorded by `hf-eagle3 tune-tree`): it does not depend on
 the hardware. The times do, a lot: a 13-token verification costs 1.1 decode steps on a CPU with AMX and 2.6 on one
 without, and bfloat16 is several times slower than float32 where the CPU has no bf16 matrix unit. So they are
-measured where decoding runs, for the dtype, device and thread count in use (`measure_costs`, about ten seconds),
-and cached under `$HF_EAGLE3_CACHE/calibration`, keyed by everything they depend on (`calibrate`).
+measured where decoding runs, for the dtype, device, thread count and batch size in use (`measure_costs`, about ten
+seconds), and cached under `$HF_EAGLE3_CACHE/calibration`, keyed by everything they depend on (`calibrate`).
+
+A batch of `B` rows verifies every row's tree in one forward of `B (N + 1)` tokens and drafts row after row, so the
+costs of a batch are measured at its size: a forward's cost grows with `B (N + 1)`, and on a CPU a large batch can
+leave no room for a tree at all. Rows decode independently, so a batch emits `B τ` tokens per cycle against `B` per
+plain step: the prediction above holds with the batch's costs.
 
 `choose_tree` picks the predicted-fastest shape, or none when no shape is predicted to beat plain decoding by
 `MIN_PREDICTED_SPEEDUP`: `generate(..., tree_shape="auto")` then decodes plainly.
@@ -62,11 +67,11 @@ def machine_description(device: torch.device | str = "cpu") -> str:
 
 @dataclass(frozen=True)
 class MachineCosts:
-    """Seconds, measured on one machine for one target, draft, dtype and thread count.
+    """Seconds, measured on one machine for one target, draft, dtype, thread count and batch size.
 
-    `plain_step`: one token of plain greedy `generate`; `verify[n]`: one target forward over `n` tokens (a tree of
-    `n - 1` nodes and its root); `draft[(depth, top_k)]`: the draft's work in one cycle; `other`: the rest of a
-    cycle (acceptance, cache compaction, bookkeeping).
+    `plain_step`: one token per row of plain greedy `generate`; `verify[n]`: one target forward over `n` tokens per
+    row (a tree of `n - 1` nodes and its root); `draft[(depth, top_k)]`: the draft's work in one cycle, every row;
+    `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping).
     """
 
     machine: str
@@ -142,23 +147,23 @@ def _synchronize(device: torch.device) -> None:
 @torch.no_grad()
 def verification_cost(
     target, sizes: list[int], prefix_length: int = CALIBRATION_PREFIX, repetitions: int = 5,
-    layer_ids: list[int] | None = None,
+    layer_ids: list[int] | None = None, batch_size: int = 1,
 ) -> dict[int, float]:
-    """Median seconds of one target forward over `n` new tokens after a cached `prefix_length`-token prefix, for each
-    `n` in `sizes`, as verification runs it (a 4D tree mask; the hidden states at `layer_ids`), interleaved
-    repetitions after a warm-up of every size."""
+    """Median seconds of one target forward over `n` new tokens per row of `batch_size` after a cached
+    `prefix_length`-token prefix, for each `n` in `sizes`, as verification runs it (a 4D tree mask; the hidden states
+    at `layer_ids`), interleaved repetitions after a warm-up of every size."""
     device = target.device
     vocab_size = target.config.get_text_config().vocab_size
     cache = DynamicCache()
-    target(torch.randint(0, vocab_size, (1, prefix_length), device=device), cache=cache)
+    target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), cache=cache)
     prefix_visible = torch.ones(prefix_length, dtype=torch.bool, device=device)
     seconds = {n: [] for n in sizes}
     for repetition in range(repetitions + 1):
         for n in sizes:
             chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # any tree's mask costs the same
-            mask = tree_attention_mask(chain, prefix_visible, target.dtype)
-            tokens = torch.randint(0, vocab_size, (1, n), device=device)
-            positions = torch.arange(prefix_length, prefix_length + n, device=device)[None]
+            mask = tree_attention_mask(chain, prefix_visible, target.dtype).expand(batch_size, -1, -1, -1)
+            tokens = torch.randint(0, vocab_size, (batch_size, n), device=device)
+            positions = torch.arange(prefix_length, prefix_length + n, device=device)[None].expand(batch_size, -1)
             start = time.perf_counter()
             target(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
                    output_hidden_states=layer_ids, use_cache=True)
@@ -205,7 +210,8 @@ def _generate_seconds(target, prompt: torch.Tensor, new_tokens: int, repetitions
     runs = []
     for repetition in range(repetitions + 1):
         start = time.perf_counter()
-        target.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, **kwargs)
         if repetition:
             runs.append(time.perf_counter() - start)
     return statistics.median(runs) if runs else 0.0
@@ -213,38 +219,40 @@ def _generate_seconds(target, prompt: torch.Tensor, new_tokens: int, repetitions
 
 def measure_costs(
     target, draft: Eagle3DraftModel, profile: list[dict], prefix_length: int = CALIBRATION_PREFIX,
-    repetitions: int = 5,
+    repetitions: int = 5, batch_size: int = 1,
 ) -> MachineCosts:
-    """Measure, on this machine, everything `predict` needs for the shapes of `profile` (about ten seconds for
-    SmolLM2-135M on two CPU cores)."""
+    """Measure, on this machine, everything `predict` needs for the shapes of `profile` at `batch_size` (about ten
+    seconds for SmolLM2-135M on two CPU cores at batch size 1). The draft's work is measured for one row: rows draft
+    one after another."""
     draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
     sizes = sorted({1} | {shape.total_tokens + 1 for shape in shapes})
-    verify = verification_cost(target, sizes, prefix_length, repetitions, draft.config.target_layer_ids)
+    verify = verification_cost(target, sizes, prefix_length, repetitions, draft.config.target_layer_ids, batch_size)
     tree_shapes = {(shape.depth, shape.top_k): shape for shape in shapes}  # the draft's work ignores the size
     draft_seconds = drafting_cost(draft, list(tree_shapes.values()), prefix_length=prefix_length,
                                   repetitions=repetitions)
     # Plain decoding's step and a cycle's remainder, from real generate calls over a random prompt
-    prompt = torch.randint(0, target.config.get_text_config().vocab_size, (1, prefix_length), device=target.device)
+    vocab_size = target.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab_size, (batch_size, prefix_length), device=target.device)
     new_tokens = 24
     prefill = _generate_seconds(target, prompt, 1, 3)
     plain = _generate_seconds(target, prompt, 1 + new_tokens, 3)
     typical = sorted(shapes, key=lambda shape: shape.total_tokens)[len(shapes) // 2]
-    _generate_seconds(target, prompt, new_tokens, 1, assistant_model=draft, tree_depth=typical.depth,
-                      tree_top_k=typical.top_k, tree_total_tokens=typical.total_tokens)
-    stats = draft.generation_stats
+    stats = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, do_sample=False, assistant_model=draft, tree_depth=typical.depth, tree_top_k=typical.top_k,
+                            tree_total_tokens=typical.total_tokens, return_dict_in_generate=True).eagle3_stats
     return MachineCosts(
         machine=machine_description(target.device),
         plain_step=max(plain - prefill, 1e-9) / new_tokens,
         verify=verify,
-        draft={key: draft_seconds[shape] for key, shape in tree_shapes.items()},
+        draft={key: batch_size * draft_seconds[shape] for key, shape in tree_shapes.items()},
         other=stats.other_seconds / max(stats.num_cycles, 1),
     )
 
 
-def calibration_key(target, draft: Eagle3DraftModel) -> dict:
+def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1) -> dict:
     """Everything the measured costs depend on: the machine, the software, the target and the draft (shape and
-    weights), the dtype, the device and the torch thread count."""
+    weights), the dtype, the device, the torch thread count and the batch size."""
     return {
         "machine": machine_description(target.device),
         "torch": torch.__version__,
@@ -257,6 +265,7 @@ def calibration_key(target, draft: Eagle3DraftModel) -> dict:
         "draft": digest(draft.config.to_dict()),
         "draft_weights": tensor_digest(draft.fc.weight),
         "draft_dtype": str(draft.fc.weight.dtype),
+        "batch_size": batch_size,
     }
 
 
@@ -264,22 +273,22 @@ def calibration_path(key: dict) -> Path:
     return cache_dir() / "calibration" / f"{digest(key)}.json"
 
 
-def calibrate(target, draft: Eagle3DraftModel) -> tuple[MachineCosts, Path]:
-    """This machine's costs for `target` and `draft` (see `measure_costs`), measured once and then read from the
-    cache file (returned too) for as long as nothing they depend on changes (`calibration_key`)."""
+def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1) -> tuple[MachineCosts, Path]:
+    """This machine's costs for `target` and `draft` at `batch_size` (see `measure_costs`), measured once and then
+    read from the cache file (returned too) for as long as nothing they depend on changes (`calibration_key`)."""
     if not draft.config.acceptance_profile:
         raise ValueError(
             "tree_shape='auto' needs the draft's acceptance profile, which this draft's config does not record: run "
             "`hf-eagle3 tune-tree --draft DIR --save-to DIR` once, or pass tree_depth / tree_top_k / "
             "tree_total_tokens."
         )
-    key = calibration_key(target, draft)
+    key = calibration_key(target, draft, batch_size)
     path = calibration_path(key)
     if path.is_file():
         record = json.loads(path.read_text())
         if record.get("key") == key:
             return MachineCosts.from_json(record["costs"]), path
-    costs = measure_costs(target, draft, draft.config.acceptance_profile)
+    costs = measure_costs(target, draft, draft.config.acceptance_profile, batch_size=batch_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps({"key": key, "costs": costs.to_json()}, indent=1))
@@ -287,13 +296,15 @@ def calibrate(target, draft: Eagle3DraftModel) -> tuple[MachineCosts, Path]:
     return costs, path
 
 
-def choose_tree(target, draft: Eagle3DraftModel, ngram_candidates: bool | None = None) -> TreeChoice:
-    """The predicted-fastest tree shape for `target` and `draft` on this machine, with context n-gram candidates in
-    the tree or without (default: the draft's `ngram_candidates`), or none (decode plainly) when no shape is
-    predicted to beat plain decoding by `MIN_PREDICTED_SPEEDUP`."""
+def choose_tree(
+    target, draft: Eagle3DraftModel, ngram_candidates: bool | None = None, batch_size: int = 1
+) -> TreeChoice:
+    """The predicted-fastest tree shape for `target` and `draft` on this machine at `batch_size`, with context n-gram
+    candidates in the tree or without (default: the draft's `ngram_candidates`), or none (decode plainly) when no
+    shape is predicted to beat plain decoding by `MIN_PREDICTED_SPEEDUP`."""
     if ngram_candidates is None:
         ngram_candidates = draft.config.ngram_candidates
-    costs, _ = calibrate(target, draft)
+    costs, _ = calibrate(target, draft, batch_size)
     predictions = predict(draft.config.acceptance_profile, costs, ngram_candidates)
     if not predictions:
         raise ValueError(
@@ -305,7 +316,8 @@ def choose_tree(target, draft: Eagle3DraftModel, ngram_candidates: bool | None =
     speedup = best.tokens_per_second * costs.plain_step
     shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"
              + (", context n-gram candidates" if ngram_candidates else ""))
-    measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads: a decode step takes "
+    batch = f", batch size {batch_size}" if batch_size > 1 else ""
+    measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}: a decode step takes "
                 f"{1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
                 f"{1000 * costs.verify[best.settings.total_tokens + 1]:.1f} ms, drafting "
                 f"{1000 * costs.draft[best.settings.depth, best.settings.top_k]:.1f} ms")

@@ -13,6 +13,7 @@ import os
 COMMAND_MODULES = [
     "hf_eagle3.demo",
     "hf_eagle3.bench",
+    "hf_eagle3.batch_bench",
     "hf_eagle3.tree_sizing",
     "hf_eagle3.conversion.cli",
     "hf_eagle3.hub",

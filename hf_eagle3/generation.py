@@ -1,27 +1,38 @@
-"""EAGLE-3 inside `target.generate(**inputs, assistant_model=draft)`.
+"""EAGLE-3 inside `generate`: one draft tree per sequence, the whole batch verified in one target forward.
 
-transformers runs assisted generation through `GenerationMixin._assisted_decoding`, whose cache rollback keeps a
-prefix of the candidates: a chain fits, a tree does not. Importing `hf_eagle3` therefore wraps three methods of
-`GenerationMixin`, each of which defers to the original unless the assistant is an `Eagle3DraftModel`:
+Two entry points run the same decoding loop, `eagle3_generate`, through transformers' `custom_generate=` (the
+sanctioned way to bring a decoding loop to `generate`):
 
-- `generate`: accepts the per-call settings `tree_depth`, `tree_top_k`, `tree_total_tokens`, `tree_shape`,
-  `ngram_candidates` and `exact_attention`; with `tree_shape="auto"` it picks the shape predicted fastest on this
-  machine (`calibration.choose_tree`), or runs plain decoding (the draft is not run) when none is predicted to pay;
-- `_validate_generation_mode`: rejects what EAGLE-3 decoding does not support (beam search, several return
-  sequences, a different assistant tokenizer, ...) before any work is done;
-- `_assisted_decoding`: runs `eagle3_decoding` instead of the candidate-generator loop.
+- `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft, tree_depth=...)`: transformers hands the
+  callable its prepared inputs, processors and stopping criteria, and the callable's own keyword arguments (those
+  `GenerationMixin._sample` does not take): the draft, the tree settings `tree_depth`, `tree_top_k`,
+  `tree_total_tokens`, `tree_shape`, `ngram_candidates`, `exact_attention`, `record_greedy_cycles`, and
+  `eagle3_streamer` (transformers does not pass `streamer` to a callable);
+- `target.generate(**inputs, assistant_model=draft, tree_depth=...)`: importing `hf_eagle3` wraps the one method
+  `GenerationMixin.generate` (`install`), which re-issues a call whose `assistant_model` is an `Eagle3DraftModel`
+  (read by binding generate's own signature) as the call above, and leaves every other call untouched. A draft
+  repository can carry `custom_generate/generate.py` for `custom_generate="<repo>", trust_remote_code=True` too.
 
-One decoding cycle: the drafter grows a tree below the last generated token (the root), into which, with
-`ngram_candidates`, a context n-gram continuation is merged (`ngram`); the target verifies root and tree in one forward
-with a tree attention mask (with `exact_attention=True`, each node over exactly plain decoding's keys instead:
-`tree_attention`), returning the hidden states the draft fuses; the accepted path and a bonus token are emitted; the
-target's cache keeps only the accepted path, and the drafter feeds the accepted positions' target features to the
-draft.
+Everything a call needs is its arguments: no module-level state. With `tree_shape="auto"` the shape predicted fastest
+on this machine at this batch size is used (`calibration.choose_tree`), or plain decoding when none is predicted to
+pay. The call's statistics (`Eagle3GenerationStats`) come back in the output with `return_dict_in_generate=True`
+(`Eagle3GenerateOutput.eagle3_stats`) and as `draft.generation_stats`, the last call of the calling thread.
+
+One decoding cycle: each unfinished row's drafter grows a tree below its last generated token (the root), into which
+a context n-gram continuation is merged with `ngram_candidates` (`ngram`); the target verifies every row's root and
+tree in one forward, each row with its own tree attention mask over its visible cache entries and its own positions
+(with `exact_attention=True`, batch size 1, each node over exactly plain decoding's keys instead: `tree_attention`),
+returning the hidden states the draft fuses; each row accepts its own path and a bonus token. The target's cache keeps,
+for every row, its accepted entries, contiguous after the previous prefix; a row that accepted fewer than the longest
+leaves unused entries, which its visibility mask hides from then on (the cache grows by the longest accepted path per
+cycle; plain decoding over a left-padded batch hides its padding the same way). Each row's drafter feeds its accepted
+positions' target features to the draft, over that row's own tokens only (no padding reaches the draft). Finished
+rows leave the batch; the output pads them exactly as plain batched decoding does.
 """
 
 import contextlib
-import contextvars
 import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +40,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
@@ -42,63 +54,88 @@ from .tree_attention import exact_tree_attention
 from .verify import accept_among_children, accept_in_turn, children, greedy_accept
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
-EAGLE3_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidates")
+# settings a call, its generation config, the target's or the draft's generation config may hold (`_layered_settings`)
+SETTING_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidates")
+EAGLE3_KWARGS = (*SETTING_KWARGS, "record_greedy_cycles")
 # transformers' settings for its own candidate generators: they would be silently ignored
 ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 logger = logging.get_logger(__name__)
-_call_settings: contextvars.ContextVar[dict] = contextvars.ContextVar("hf_eagle3_call_settings", default={})
-_recording_greedy_cycles: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "hf_eagle3_recording_greedy_cycles", default=False
-)
 
 
-@contextlib.contextmanager
-def recording_greedy_cycles():
-    """Within this block, greedy EAGLE-3 `generate` calls keep every cycle's tree and accepted path in
-    `draft.generation_stats.greedy_cycles` (what `tree_sizing.tune_tree` calibrates on); outside it they keep none."""
-    token = _recording_greedy_cycles.set(True)
-    try:
-        yield
-    finally:
-        _recording_greedy_cycles.reset(token)
+def _mean(lengths: list[int]) -> float:
+    return sum(lengths) / max(len(lengths), 1)
+
+
+@dataclass
+class Eagle3RowStats:
+    """What EAGLE-3 decoding did for one sequence of a call.
+
+    `acceptance_lengths[i]` is the number of tokens the row's cycle `i` emitted from one target forward (accepted
+    drafted tokens + the bonus token); the first token (from the prefill) is not counted, nor cycles after the row
+    stopped. `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy
+    decoding with `record_greedy_cycles=True` only. With `ngram_candidates`, `continuation_tokens` counts the accepted
+    drafted tokens that the context continuation proposed (alone or with the draft)."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    greedy_cycles: list[tuple[DraftTree, torch.Tensor]] = field(default_factory=list)
+    continuation_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ of this row: mean tokens per target forward."""
+        return _mean(self.acceptance_lengths)
 
 
 @dataclass
 class Eagle3GenerationStats:
-    """What one EAGLE-3 `generate` call did; available afterwards as `draft.generation_stats`.
+    """What one EAGLE-3 `generate` call did: `rows[b]` for row `b` of the batch (`Eagle3RowStats`), the time split of
+    the whole call (wall-clock seconds) and `num_cycles`, the verification forwards of the target.
 
-    `acceptance_lengths[i]` is the number of tokens cycle `i` emitted from one target forward (accepted drafted
-    tokens + the bonus token); the first token (from the prefill) is not counted. Times are wall-clock seconds.
-    `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy decoding
-    inside `recording_greedy_cycles()` only. With `ngram_candidates`, `continuation_tokens` counts the accepted drafted
-    tokens that the context continuation proposed (alone or with the draft). With `tree_shape="auto"`, `shape_choice`
-    says which shape was chosen and why; `settings` is `None` when the call decoded plainly (the draft was not run, no
-    cycles).
+    The row fields read across the batch: `acceptance_lengths` and `greedy_cycles` list every row's cycles, row after
+    row (for one sequence, its own), `continuation_tokens` sums them. With `tree_shape="auto"`, `shape_choice` says
+    which shape was chosen and why; `settings` is `None` when the call decoded plainly (the draft was not run).
     """
 
     settings: TreeSettings | None
-    acceptance_lengths: list[int] = field(default_factory=list)
-    greedy_cycles: list[tuple[DraftTree, torch.Tensor]] = field(default_factory=list)
+    rows: list[Eagle3RowStats] = field(default_factory=list)
+    num_cycles: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     shape_choice: str | None = None
-    continuation_tokens: int = 0  # accepted drafted tokens that a context n-gram continuation proposed
 
     @property
-    def num_cycles(self) -> int:
-        return len(self.acceptance_lengths)
+    def acceptance_lengths(self) -> list[int]:
+        return [length for row in self.rows for length in row.acceptance_lengths]
+
+    @property
+    def greedy_cycles(self) -> list[tuple[DraftTree, torch.Tensor]]:
+        return [cycle for row in self.rows for cycle in row.greedy_cycles]
+
+    @property
+    def continuation_tokens(self) -> int:
+        return sum(row.continuation_tokens for row in self.rows)
 
     @property
     def mean_acceptance_length(self) -> float:
-        """τ: mean tokens per target forward (verification cycles only)."""
-        return sum(self.acceptance_lengths) / max(self.num_cycles, 1)
+        """τ: mean tokens per target forward and row (verification cycles only)."""
+        return _mean(self.acceptance_lengths)
 
     @property
     def other_seconds(self) -> float:
         """Time of the cycles spent outside drafting and verification: acceptance, bookkeeping, Python."""
         return self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
+
+
+@dataclass
+class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` of an EAGLE-3 `generate` call, with what the call did (`eagle3_stats`).
+
+    `cache` is the target's cache for one sequence; for a batch it is `None` (rows leave the batch as they finish,
+    and the kept entries of rows that accepted fewer tokens are interleaved with unused ones)."""
+
+    eagle3_stats: Eagle3GenerationStats | None = None
 
 
 class _Stopwatch:
@@ -117,15 +154,44 @@ class _Stopwatch:
         setattr(self.stats, field_name, getattr(self.stats, field_name) + time.perf_counter() - start)
 
 
-def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, generation_config, model_kwargs):
-    if input_ids.shape[0] != 1:
+def _check_generation_mode(generation_config) -> None:
+    if generation_config.prompt_lookup_num_tokens is not None:
         raise ValueError(
-            f"EAGLE-3 decoding supports batch size 1, got {input_ids.shape[0]}: call generate once per sequence."
+            "EAGLE-3 replaces prompt lookup (its context candidates are `ngram_candidates=True`): drop "
+            "prompt_lookup_num_tokens."
         )
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"EAGLE-3 decoding supports greedy decoding and sampling (num_beams=1), not {mode}: drop num_beams / "
+            "penalty_alpha / constraints, or generate without the EAGLE-3 draft."
+        )
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"EAGLE-3 decoding returns one sequence per prompt, got num_return_sequences="
+            f"{generation_config.num_return_sequences}: repeat the prompt in the batch instead."
+        )
+
+
+def _check_supported(model, input_ids: torch.Tensor, generation_config, model_kwargs, streamer) -> None:
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(
             "EAGLE-3 decoding does not return attentions or hidden states: drop output_attentions / "
             "output_hidden_states, or generate without assistant_model."
+        )
+    batch_size = input_ids.shape[0]
+    if batch_size > 1 and generation_config.return_dict_in_generate and (
+        generation_config.output_scores or generation_config.output_logits
+    ):
+        raise ValueError(
+            f"EAGLE-3 decoding returns scores and logits for one sequence, got a batch of {batch_size} (a batch's "
+            "rows advance by different numbers of tokens per step): drop output_scores / output_logits, or "
+            "generate one sequence per call."
+        )
+    if batch_size > 1 and streamer is not None:
+        raise ValueError(
+            f"EAGLE-3 decoding streams one sequence, got a batch of {batch_size}: drop the streamer, or generate one "
+            "sequence per call."
         )
     cache = model_kwargs.get("cache")
     if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
@@ -134,6 +200,8 @@ def _check_supported(model, draft: Eagle3DraftModel, input_ids: torch.Tensor, ge
             f"{' with ' + ', '.join(sorted({type(layer).__name__ for layer in cache.layers})) if cache else ''}: "
             "drop cache_implementation / the cache argument."
         )
+    if cache.get_seq_length() and batch_size > 1:
+        raise ValueError("EAGLE-3 decoding of a batch starts from an empty cache: drop the cache argument.")
     if model.config._attn_implementation.startswith("flash_attention"):
         raise ValueError(
             "flash-attention cannot take a tree attention mask: load the target with attn_implementation='sdpa'."
@@ -149,9 +217,9 @@ class _TargetAttention:
     """How the target attends during verification: one forward with the masks its layers need (full attention, a
     sliding window, or both kinds of layer (`config.layer_types`), in which case the model takes one mask per kind),
     or, with `exact=True`, each node over exactly the keys plain decoding would give it
-    (`tree_attention.exact_tree_attention`: sdpa, full attention and an unpadded prompt only)."""
+    (`tree_attention.exact_tree_attention`: sdpa, full attention, one unpadded sequence only)."""
 
-    def __init__(self, model, exact: bool, prompt_mask: torch.Tensor | None):
+    def __init__(self, model, exact: bool, prompt_mask: torch.Tensor | None, batch_size: int):
         text_config = model.config.get_text_config()
         window = getattr(text_config, "sliding_window", None)
         self.sliding_window = window if getattr(text_config, "use_sliding_window", True) else None
@@ -173,30 +241,39 @@ class _TargetAttention:
                 f"{' with a sliding window' if self.sliding_window is not None else ''}: load it with "
                 "attn_implementation='sdpa', or drop exact_attention."
             )
+        if exact and batch_size > 1:
+            raise ValueError(
+                f"exact_attention=True verifies one sequence node by node, got a batch of {batch_size}: generate one "
+                "sequence per call, or drop exact_attention (batched verification is lossless in float32)."
+            )
         if exact and prompt_mask is not None and not prompt_mask.all():
             raise ValueError(
                 "exact_attention=True needs every prompt token visible (plain decoding over a padded prompt uses a "
                 "mask it cannot reproduce node by node): strip the padding, or drop exact_attention."
             )
 
-    def verifying(self, model, tree: DraftTree, prefix_length: int):
-        """Context for the verification forward of `tree` after `prefix_length` cache entries."""
-        return exact_tree_attention(model, tree, prefix_length) if self.exact else contextlib.nullcontext()
+    def verifying(self, model, trees: list[DraftTree], prefix_length: int):
+        """Context for the verification forward of `trees` after `prefix_length` cache entries."""
+        return exact_tree_attention(model, trees[0], prefix_length) if self.exact else contextlib.nullcontext()
 
-    def verification_mask(self, tree: DraftTree, prefix_visible: torch.Tensor, dtype: torch.dtype):
+    def verification_mask(self, trees: list[DraftTree], prefix_visible: torch.Tensor, key_positions: torch.Tensor,
+                          dtype: torch.dtype):
+        """Masks of one tree per row, each over its row's visible prefix (`[B, P]`); `key_positions` `[B, P + n]`
+        are the positions of the prefix's cache entries and of the nodes (what a sliding window is measured in)."""
+        ancestors = torch.stack([tree.ancestors for tree in trees])
         if self.sliding_window is None:
-            return tree_attention_mask(tree.ancestors, prefix_visible, dtype)
-        sliding = tree_attention_mask(tree.ancestors, prefix_visible, dtype, tree.depths, self.sliding_window)
+            return tree_attention_mask(ancestors, prefix_visible, dtype)
+        sliding = tree_attention_mask(ancestors, prefix_visible, dtype, sliding_window=self.sliding_window,
+                                      key_positions=key_positions)
         if not self.mixed:
             return sliding
-        full = tree_attention_mask(tree.ancestors, prefix_visible, dtype)
+        full = tree_attention_mask(ancestors, prefix_visible, dtype)
         return {"full_attention": full, "sliding_attention": sliding}
 
 
-def _tree_settings(draft: Eagle3DraftModel) -> TreeSettings:
+def _tree_settings(draft: Eagle3DraftModel, overrides: dict) -> TreeSettings:
     """The call's tree: its settings, else the draft config's defaults. A default size is capped at what the tree
     holds (`tree_top_k=1` alone drafts the whole chain); a size passed to the call must fit (`TreeSettings`)."""
-    overrides = _call_settings.get()
     depth = overrides.get("tree_depth", draft.config.tree_depth)
     top_k = overrides.get("tree_top_k", draft.config.tree_top_k)
     default_total = min(draft.config.tree_total_tokens, max_candidates(depth, top_k))
@@ -207,30 +284,37 @@ def _tree_settings(draft: Eagle3DraftModel) -> TreeSettings:
 
 
 def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
-    """Of the cache entries from `start` on, keep only those at offsets `keep` (sorted), moved to be contiguous."""
-    end = start + keep.numel()
+    """Of each row's cache entries from `start` on, keep those at offsets `keep[b]` (`[B, M]`, sorted), moved to be
+    contiguous; where a row keeps fewer than `M`, its `keep` repeats any offset (the row's mask hides those)."""
+    end = start + keep.shape[1]
     for layer in cache.layers:
-        layer.keys[:, :, start:end] = layer.keys[:, :, start + keep]
-        layer.values[:, :, start:end] = layer.values[:, :, start + keep]
+        index = (start + keep)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys[:, :, start:end] = layer.keys.gather(2, index)
+        layer.values[:, :, start:end] = layer.values.gather(2, index)
         layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
-
 class _TargetDistribution:
-    """The target's processed next-token scores at tree nodes, exactly as plain decoding would compute them."""
+    """The target's processed next-token scores at tree nodes of row `row` of a batch of `batch_size`, exactly as plain
+    decoding would compute them. Processors may hold per-row state (a left-padded row's prompt length, ...), so the
+    row's prefix goes through them at its own index, in a batch of copies of it."""
 
-    def __init__(self, logits_processor, input_ids: torch.Tensor, tree: DraftTree, logits: torch.Tensor):
+    def __init__(self, logits_processor, input_ids: torch.Tensor, tree: DraftTree, logits: torch.Tensor, row: int,
+                 batch_size: int):
         self.logits_processor, self.input_ids, self.tree, self.logits = logits_processor, input_ids, tree, logits
+        self.row, self.batch_size = row, batch_size
 
     def scores(self, path: list[int]) -> torch.Tensor:
         """`[V]` processed scores after the last node of `path` (root first), given the prefix and the path."""
         path_tokens = self.tree.tokens[path[1:]][None]
-        prefix = torch.cat([self.input_ids, path_tokens], dim=-1)
-        return self.logits_processor(prefix, self.logits[path[-1]][None].float())[0]
+        prefix = torch.cat([self.input_ids, path_tokens], dim=-1).expand(self.batch_size, -1)
+        node_logits = self.logits[path[-1]][None].float().repeat(self.batch_size, 1)
+        return self.logits_processor(prefix, node_logits)[self.row]
 
 
 def _accept(proposal: DraftProposal, logits: torch.Tensor, input_ids, logits_processor, do_sample: bool,
-            draft_to_target: torch.Tensor):
-    """Verify the proposal's tree given the target's raw logits `[N + 1, V]` at its nodes.
+            draft_to_target: torch.Tensor, row: int = 0, batch_size: int = 1):
+    """Verify the proposal's tree given the target's raw logits `[N + 1, V]` at its nodes; `input_ids` `[1, L]` is
+    row `row`'s sequence in a batch of `batch_size`.
 
     Returns `(path, bonus_token, scores)`: accepted node indices (root first) `[m]`, the bonus token `[1]`, and the
     processed scores `[m, V]` that produced the `m` emitted tokens.
@@ -242,7 +326,7 @@ def _accept(proposal: DraftProposal, logits: torch.Tensor, input_ids, logits_pro
         path = greedy_accept(tree, target_choices)
         return path, target_choices[path[-1], None], logits[path].float()
 
-    target = _TargetDistribution(logits_processor, input_ids, tree, logits)
+    target = _TargetDistribution(logits_processor, input_ids, tree, logits, row, batch_size)
     path, path_scores = [0], []
     while True:
         scores = target.scores(path)
@@ -281,7 +365,91 @@ def _accept(proposal: DraftProposal, logits: torch.Tensor, input_ids, logits_pro
         return torch.tensor(path, device=logits.device), bonus, torch.stack(path_scores)
 
 
-def eagle3_decoding(
+class _Row:
+    """One sequence of the batch: its tokens so far (left padding included: what plain decoding's stopping criteria
+    and logits processors see), its drafter, its context-continuation acceptance, its statistics, and the length at
+    which the stopping criteria first held."""
+
+    def __init__(self, tokens: torch.Tensor, visible: torch.Tensor, drafter: Eagle3Drafter,
+                 continuation_acceptance: ContinuationAcceptance):
+        self.tokens = tokens  # [L]
+        self.context_start = int(visible.int().argmax())  # the first visible token: left padding is no context
+        self.drafter = drafter
+        self.continuation_acceptance = continuation_acceptance
+        self.stats = Eagle3RowStats()
+        self.stop_length: int | None = None
+        self.scores: list[torch.Tensor] = []  # [1, V] per emitted token, with output_scores
+        self.logits: list[torch.Tensor] = []  # [1, V] per emitted token, with output_logits
+        self.match = 0  # length of the n-gram match behind this cycle's context continuation (0: none)
+
+    def emit(self, new_tokens, step_scores, step_logits, stopping_criteria, max_length: int, keep_scores: bool,
+             keep_logits: bool) -> torch.Tensor:
+        """Append `new_tokens`, stopping exactly where plain decoding would: the criteria see each new token's prefix
+        in turn. A row that has stopped and decodes on (see `eagle3_generate`) only respects `max_length`. Returns
+        the tokens appended."""
+        if self.stop_length is not None:
+            new_tokens = new_tokens[: max_length - self.tokens.numel()]
+            self.tokens = torch.cat([self.tokens, new_tokens])
+            return new_tokens
+        extended, kept = torch.cat([self.tokens, new_tokens]), self.tokens.numel()
+        for token_scores, token_logits in zip(step_scores, step_logits):
+            kept += 1
+            if keep_scores:
+                self.scores.append(token_scores[None])
+            if keep_logits:
+                self.logits.append(token_logits[None])
+            if stopping_criteria(extended[None, :kept], tuple(self.scores) if keep_scores else None)[0]:
+                self.stop_length = kept
+                break
+        new_tokens = new_tokens[: kept - self.tokens.numel()]
+        if self.stop_length is not None and self.stats.acceptance_lengths:  # a cut cycle counts the tokens it emitted
+            self.stats.acceptance_lengths[-1] = new_tokens.numel()
+        self.tokens = extended[:kept]
+        return new_tokens
+
+    def propose(self, root_position: int, use_continuations: bool, max_match: int, max_tokens: int) -> DraftProposal:
+        continuation, self.match = (
+            find_continuation(self.tokens[self.context_start :], max_match, max_tokens) if use_continuations
+            else (None, 0)
+        )
+        log_rates = (
+            self.continuation_acceptance.log_rates(self.match, continuation.numel(), continuation.device)
+            if self.match else None
+        )
+        return self.drafter.draft_tree(self.tokens[-1], root_position, continuation, log_rates)
+
+    def accepted(self, proposal: DraftProposal, path: torch.Tensor, record_cycle: bool) -> None:
+        counted = self.stop_length is None  # cycles of a row decoding on after its stop are not its statistics
+        if self.match:
+            on_path = int((proposal.continuation_nodes[:, None] == path[None, :]).any(-1).sum())  # a prefix: [K]
+            self.continuation_acceptance = self.continuation_acceptance.updated(
+                self.match, proposal.continuation_nodes.numel(), on_path
+            )
+            self.stats.continuation_tokens += on_path if counted else 0
+        if counted:
+            self.stats.acceptance_lengths.append(path.numel())  # accepted drafted tokens + the bonus token
+            if record_cycle:  # references only: nothing computed on the decoding path
+                self.stats.greedy_cycles.append((proposal.tree, path))
+
+
+def _resolve_tree_shape(model, draft: Eagle3DraftModel, overrides: dict, tree_shape: str | None,
+                        ngram_candidates: bool, batch_size: int) -> tuple[TreeSettings | None, str | None]:
+    """The call's tree and why: `"fixed"` (the default when any tree setting is passed) takes the call's settings
+    and the draft config's defaults; `"auto"` (the draft config's `tree_shape` otherwise) the shape
+    `calibration.choose_tree` predicts fastest here at this batch size, or `None` (decode plainly) and the reason."""
+    explicit = [name for name in TREE_KWARGS if name in overrides]
+    shape = tree_shape or ("fixed" if explicit else draft.config.tree_shape)
+    if shape not in ("fixed", "auto"):
+        raise ValueError(f"tree_shape must be 'fixed' or 'auto', got {shape!r}.")
+    if shape == "fixed":
+        return _tree_settings(draft, overrides), None
+    if explicit:
+        raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(explicit)} or tree_shape.")
+    choice = choose_tree(model, draft, ngram_candidates, batch_size)
+    return choice.settings, choice.reason
+
+
+def eagle3_generate(
     model,
     input_ids: torch.LongTensor,
     logits_processor,
@@ -289,166 +457,239 @@ def eagle3_decoding(
     generation_config,
     synced_gpus: bool = False,
     streamer=None,
-    assistant_model: Eagle3DraftModel | None = None,
+    *,
+    draft: Eagle3DraftModel | None = None,
+    tree_depth: int | None = None,
+    tree_top_k: int | None = None,
+    tree_total_tokens: int | None = None,
+    tree_shape: str | None = None,
+    ngram_candidates: bool | None = None,
+    exact_attention: bool | None = None,
+    record_greedy_cycles: bool = False,
+    eagle3_streamer=None,
     **model_kwargs,
 ):
-    """EAGLE-3 decoding loop with the signature of `GenerationMixin._assisted_decoding` (greedy and sampling)."""
-    draft = assistant_model
+    """EAGLE-3 decoding (greedy and sampling, batches left-padded as transformers pads them), as a `custom_generate`
+    callable: `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)`.
+
+    Args:
+        draft: the `Eagle3DraftModel` made for `model`.
+        tree_depth, tree_top_k, tree_total_tokens: the draft tree. These settings, `tree_shape`, `ngram_candidates`
+            and `exact_attention` are also read from the call's generation config (as `generate` prepared it: the
+            call's over the target's) and the draft's `generation_config`, then the draft config
+            (`_layered_settings`).
+        tree_shape: `"fixed"` (those settings) or `"auto"` (the shape predicted fastest on this machine at this batch
+            size, or plain decoding when none pays; default: the draft config's `tree_shape`).
+        ngram_candidates: merge context n-gram continuations into each tree (default: the draft config's).
+        exact_attention: verify each node over exactly plain decoding's keys (one unpadded sequence, sdpa).
+        record_greedy_cycles: keep every greedy cycle's tree and accepted path in the statistics.
+        eagle3_streamer: a streamer (transformers does not pass `streamer` to a `custom_generate` callable).
+
+    Returns the sequences, or with `return_dict_in_generate=True` an `Eagle3GenerateOutput` carrying the call's
+    statistics; `draft.generation_stats` holds them too (the last call of the calling thread).
+    """
+    if not isinstance(draft, Eagle3DraftModel):
+        raise TypeError(
+            "eagle3_generate decodes with an EAGLE-3 draft: call generate(..., custom_generate=eagle3_generate, "
+            f"draft=<Eagle3DraftModel>) or generate(..., assistant_model=<Eagle3DraftModel>); got draft={draft!r}."
+        )
+    streamer = eagle3_streamer if eagle3_streamer is not None else streamer
     for unused in ("inputs_tensor", "tokenizer", "assistant_tokenizer"):  # used by generate's own criteria only
         model_kwargs.pop(unused, None)
+    _check_generation_mode(generation_config)
+    adopt_target_layers(draft.config, model)
+    check_compatibility(draft.config, model)
+    _check_device(draft, model)
+    record_target_special_tokens(draft.config, model)
+    call_settings = dict(zip(SETTING_KWARGS, (tree_depth, tree_top_k, tree_total_tokens, tree_shape, exact_attention,
+                                              ngram_candidates)))
+    layered = _layered_settings(draft, generation_config,
+                                {name: value for name, value in call_settings.items() if value is not None})
+    use_continuations = bool(layered.get("ngram_candidates", draft.config.ngram_candidates))
+    overrides = {name: layered[name] for name in TREE_KWARGS if name in layered}
+    settings, shape_choice = _resolve_tree_shape(model, draft, overrides, layered.get("tree_shape"),
+                                                 use_continuations, input_ids.shape[0])
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    if settings is None:  # no tree pays here: plain decoding, the draft is not run
+        logger.warning_once(shape_choice)
+        stats = Eagle3GenerationStats(None, shape_choice=shape_choice)
+        draft.generation_stats = stats
+        # the loop `generate` itself runs for greedy decoding and sampling
+        output = model._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                               streamer=streamer, **model_kwargs)
+        if not generation_config.return_dict_in_generate:
+            return output
+        return Eagle3GenerateOutput(**output, eagle3_stats=stats)
+    return _decode(model, draft, settings, shape_choice, input_ids, logits_processor, stopping_criteria,
+                   generation_config, streamer, bool(layered.get("exact_attention", False)), use_continuations,
+                   record_greedy_cycles,
+                   model_kwargs)
+
+
+def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice: str | None, input_ids,
+            logits_processor, stopping_criteria, generation_config, streamer, exact: bool, use_continuations: bool,
+            record_greedy_cycles: bool, model_kwargs: dict):
+    """The decoding loop of `eagle3_generate`.
+
+    Rows stop as plain batched decoding stops them: with an EOS criterion a row that stops is padded with the pad
+    token until every row has stopped; without one (stop strings or `max_length` only), plain decoding goes on
+    computing the rows that stopped until the last row stops, so a stopped row decodes on here too, up to the
+    length of the longest row."""
     cache = model_kwargs.get("cache")
     if type(cache) is DynamicCache and cache.get_seq_length() == 0 and any(layer.is_sliding for layer in cache.layers):
         # A sliding-window layer keeps only the last window of entries; the cycle's cache compaction indexes entries
         # by sequence position, so keep them all (the verification masks apply the window).
-        model_kwargs["cache"] = DynamicCache()
-    _check_supported(model, draft, input_ids, generation_config, model_kwargs)
-    exact = bool(_call_settings.get().get("exact_attention", False))
-    attention = _TargetAttention(model, exact, model_kwargs.get("attention_mask"))
+        model_kwargs["cache"] = cache = DynamicCache()
+    _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
+    batch_size, device = input_ids.shape[0], input_ids.device
+    attention = _TargetAttention(model, exact, model_kwargs.get("attention_mask"), batch_size)
     draft.attach_target(model)
-    settings = _tree_settings(draft)
-    use_continuations = bool(_call_settings.get().get("ngram_candidates", draft.config.ngram_candidates))
-    max_match, max_continuation = draft.config.ngram_max_match, draft.config.ngram_max_tokens
-    continuation_acceptance = ContinuationAcceptance.prior(max_match)
     do_sample = generation_config.do_sample
-    record_cycles = not do_sample and _recording_greedy_cycles.get()
-    drafter = Eagle3Drafter(draft, settings, (generation_config.temperature or 1.0) if do_sample else None)
-    stats = Eagle3GenerationStats(settings, shape_choice=_call_settings.get().get("shape_choice"))
+    temperature = (generation_config.temperature or 1.0) if do_sample else None
+    max_match, max_continuation = draft.config.ngram_max_match, draft.config.ngram_max_tokens
+    record_cycles = not do_sample and record_greedy_cycles
+    stats = Eagle3GenerationStats(settings, shape_choice=shape_choice)
     draft.generation_stats = stats
-    stopwatch = _Stopwatch(stats, input_ids.device)
+    stopwatch = _Stopwatch(stats, device)
     start_time = time.perf_counter()
     layer_ids = draft.config.target_layer_ids
     return_dict = generation_config.return_dict_in_generate
-    scores = () if return_dict and generation_config.output_scores else None
-    raw_logits = () if return_dict and generation_config.output_logits else None
-    cache = model_kwargs["cache"]
+    keep_scores = bool(return_dict and generation_config.output_scores)
+    keep_logits = bool(return_dict and generation_config.output_logits)
+    pad_stopped_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)  # as `_sample` pads
+    max_length = generation_config.max_length
 
-    # Prefill: the prompt through the target, its features through the draft.
+    # Prefill: the prompts through the target, each row's visible features through its drafter.
     with stopwatch.time("prefill_seconds"):
         model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
         outputs = model(**model_inputs, output_hidden_states=layer_ids)
         attention_mask = model_kwargs.get("attention_mask")
-        prefix_visible = (
-            attention_mask[0].bool() if attention_mask is not None else torch.ones_like(input_ids[0], dtype=torch.bool)
-        )
-        prompt_positions = model_inputs.get("position_ids")
-        if prompt_positions is None:
-            prompt_positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        next_logits = outputs.logits[:, -1].float()  # [1, V]
+        prefix_visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids).bool()
+        key_positions = model_inputs.get("position_ids")  # [B, P]: positions of the cache entries
+        if key_positions is None:
+            key_positions = torch.arange(input_ids.shape[1], device=device)[None]
+        key_positions = key_positions.expand(batch_size, -1)
+        next_logits = outputs.logits[:, -1].float()  # [B, V]
         next_scores = logits_processor(input_ids, next_logits)
-        if do_sample:
-            next_token = torch.multinomial(next_scores.softmax(-1), 1)[0]
-        else:
-            next_token = next_scores.argmax(-1)
-        features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)  # [1, L, 3 k_t]
-        followers = torch.cat([input_ids[:, 1:], next_token[None]], dim=-1)
-        drafter.extend(followers[:, prefix_visible], features[:, prefix_visible], prompt_positions[:, prefix_visible])
-    root_position = int(prompt_positions[0, -1]) + 1
-    new_tokens, step_scores, step_logits = next_token, next_scores, next_logits
+        next_tokens = torch.multinomial(next_scores.softmax(-1), 1)[:, 0] if do_sample else next_scores.argmax(-1)
+        features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)  # [B, P, 3 k_t]
+        followers = torch.cat([input_ids[:, 1:], next_tokens[:, None]], dim=-1)
+        rows = []
+        for b in range(batch_size):
+            visible = prefix_visible[b]
+            row = _Row(input_ids[b], visible, Eagle3Drafter(draft, settings, temperature),
+                       ContinuationAcceptance.prior(max_match))
+            row.drafter.extend(followers[b, visible][None], features[b, visible][None], key_positions[b, visible][None])
+            rows.append(row)
+    stats.rows = [row.stats for row in rows]
+    root_positions = key_positions[:, -1] + 1  # [B]: position of each row's root (its last token, not yet cached)
+    pending = [(next_tokens[b, None], next_scores[b, None], next_logits[b, None]) for b in range(batch_size)]
+    in_batch = list(range(batch_size))  # the rows the target's cache holds, in its order
 
     while True:
-        # Emit, stopping exactly where plain decoding would: the criteria see each new token's prefix in turn.
-        extended, kept, finished = torch.cat([input_ids, new_tokens[None]], dim=-1), input_ids.shape[1], False
-        for token_scores, token_logits in zip(step_scores, step_logits):
-            kept += 1
-            if scores is not None:
-                scores += (token_scores[None],)
-            if raw_logits is not None:
-                raw_logits += (token_logits[None],)
-            if stopping_criteria(extended[:, :kept], scores)[0]:
-                finished = True
-                break
-        new_tokens = new_tokens[: kept - input_ids.shape[1]]
-        if stats.acceptance_lengths:  # a cycle cut by a stop counts only the tokens it emitted
-            stats.acceptance_lengths[-1] = new_tokens.numel()
-        input_ids = extended[:, :kept]
-        if streamer is not None:
-            streamer.put(new_tokens.cpu())
-        if finished:
+        for b, (new_tokens, step_scores, step_logits) in zip(in_batch, pending):
+            emitted = rows[b].emit(new_tokens, step_scores, step_logits, stopping_criteria, max_length, keep_scores,
+                                   keep_logits)
+            if streamer is not None:
+                streamer.put(emitted.cpu())
+        stop_lengths = [row.stop_length for row in rows]
+        final_length = max(stop_lengths) if None not in stop_lengths else max_length
+        decoding = [
+            index for index, b in enumerate(in_batch)
+            if rows[b].stop_length is None
+            or (not pad_stopped_rows and rows[b].tokens.numel() < min(final_length, max_length))
+        ]
+        if not decoding:
             break
+        if len(decoding) < len(in_batch):  # rows that are done leave the batch
+            index = torch.tensor(decoding, device=device)
+            cache.batch_select_indices(index)
+            prefix_visible, key_positions = prefix_visible[index], key_positions[index]
+            root_positions = root_positions[index]
+            in_batch = [in_batch[i] for i in decoding]
 
         with stopwatch.time("draft_seconds"):
-            continuation, match = (
-                find_continuation(input_ids[0], max_match, max_continuation) if use_continuations else (None, 0)
-            )
-            log_rates = (
-                continuation_acceptance.log_rates(match, continuation.numel(), continuation.device) if match else None
-            )
-            proposal = drafter.draft_tree(input_ids[0, -1], root_position, continuation, log_rates)
-        tree = proposal.tree
-        with stopwatch.time("verify_seconds"), attention.verifying(model, tree, prefix_visible.numel()):
+            proposals = [rows[b].propose(int(position), use_continuations, max_match, max_continuation)
+                         for b, position in zip(in_batch, root_positions)]
+        trees = [proposal.tree for proposal in proposals]
+        prefix_length = prefix_visible.shape[1]
+        node_positions = root_positions[:, None] + torch.stack([tree.depths for tree in trees])  # [b, n]
+        with stopwatch.time("verify_seconds"), attention.verifying(model, trees, prefix_length):
             outputs = model(
-                input_ids=tree.tokens[None],
-                position_ids=(root_position + tree.depths)[None],
-                attention_mask=attention.verification_mask(tree, prefix_visible, model.dtype),
+                input_ids=torch.stack([tree.tokens for tree in trees]),
+                position_ids=node_positions,
+                attention_mask=attention.verification_mask(
+                    trees, prefix_visible, torch.cat([key_positions, node_positions], dim=1), model.dtype
+                ),
                 cache=cache,
                 output_hidden_states=layer_ids,
                 use_cache=True,
             )
-        prefix_length = prefix_visible.numel()
-        logits = outputs.logits[0]  # [N + 1, V], model dtype: argmax is exact, float32 only where scores are kept
-        path, bonus, path_scores = _accept(proposal, logits, input_ids, logits_processor, do_sample,
-                                           drafter.draft_to_target)
-        if match:
-            on_path = (proposal.continuation_nodes[:, None] == path[None, :]).any(-1)  # a prefix: [K]
-            continuation_acceptance = continuation_acceptance.updated(
-                match, proposal.continuation_nodes.numel(), int(on_path.sum())
-            )
-            stats.continuation_tokens += int(on_path.sum())
-        new_tokens = torch.cat([tree.tokens[path[1:]], bonus])
-        step_scores, step_logits = path_scores, logits[path].float()
-        stats.acceptance_lengths.append(new_tokens.numel())
-        if record_cycles:  # references only: nothing computed on the decoding path
-            stats.greedy_cycles.append((tree, path))
+        stats.num_cycles += 1
+        features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)  # [b, n, 3 k_t]
+        paths, pending = [], []
+        for index, (b, proposal) in enumerate(zip(in_batch, proposals)):
+            logits = outputs.logits[index]  # [n, V], model dtype: argmax is exact, float32 only where scores are kept
+            path, bonus, path_scores = _accept(proposal, logits, rows[b].tokens[None], logits_processor, do_sample,
+                                               rows[b].drafter.draft_to_target, b, batch_size)
+            rows[b].accepted(proposal, path, record_cycles)
+            pending.append((torch.cat([proposal.tree.tokens[path[1:]], bonus]), path_scores, logits[path].float()))
+            paths.append(path)
 
-        _keep_cache_entries(cache, prefix_length, path)
-        prefix_visible = torch.cat([prefix_visible, prefix_visible.new_ones(path.numel())])
-        features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)[:, path]
-        accepted_positions = root_position + torch.arange(path.numel(), device=path.device)
+        # Each row keeps its accepted entries; rows that accepted fewer leave entries their mask hides from now on.
+        lengths = torch.tensor([path.numel() for path in paths], device=device)
+        offsets = torch.arange(int(lengths.max()), device=device)
+        keep = torch.stack([torch.cat([path, path.new_zeros(offsets.numel() - path.numel())]) for path in paths])
+        _keep_cache_entries(cache, prefix_length, keep)
+        prefix_visible = torch.cat([prefix_visible, offsets[None] < lengths[:, None]], dim=1)
+        key_positions = torch.cat([key_positions, root_positions[:, None] + offsets], dim=1)
         with stopwatch.time("draft_seconds"):
-            drafter.extend(new_tokens[None], features, accepted_positions[None])
-        root_position += path.numel()
+            for index, (b, path) in enumerate(zip(in_batch, paths)):
+                positions = root_positions[index] + offsets[: path.numel()]
+                rows[b].drafter.extend(pending[index][0][None], features[index, path][None], positions[None])
+        root_positions = root_positions + lengths
 
-    # A cycle cut short by a stop leaves cache entries past the last kept token: plain decoding has none of them.
-    cache.crop(min(0, input_ids.shape[1] - 1 - cache.get_seq_length()))
+    if batch_size == 1:  # a cycle cut short by a stop leaves entries past the last kept token: plain decoding has none
+        cache.crop(min(0, rows[0].tokens.numel() - 1 - cache.get_seq_length()))
     if streamer is not None:
         streamer.end()
+    final_length = max(row.stop_length for row in rows)
+    pad_token = generation_config._pad_token_tensor  # what `_sample` pads stopped rows with
+    sequences = torch.stack([_right_padded(row.tokens[:final_length], final_length, pad_token) for row in rows])
     stats.total_seconds = time.perf_counter() - start_time
     if return_dict:
-        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=cache)
-    return input_ids
+        return Eagle3GenerateOutput(
+            sequences=sequences,
+            scores=tuple(rows[0].scores) if keep_scores else None,
+            logits=tuple(rows[0].logits) if keep_logits else None,
+            cache=cache if batch_size == 1 else None,
+            eagle3_stats=stats,
+        )
+    return sequences
 
 
-def _assistant_of(args: tuple, kwargs: dict):
-    # `generate(inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
-    #           synced_gpus, assistant_model, ...)`
-    return kwargs.get("assistant_model", args[6] if len(args) > 6 else None)
+def _right_padded(tokens: torch.Tensor, length: int, pad_token: torch.Tensor | None) -> torch.Tensor:
+    if tokens.numel() == length:
+        return tokens
+    return torch.cat([tokens, pad_token.to(tokens).expand(length - tokens.numel())])
 
 
-def _without_assistant(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if "assistant_model" in kwargs:
-        return args, {name: value for name, value in kwargs.items() if name != "assistant_model"}
-    return args[:6] + (None,) + args[7:], kwargs
-
-
-def _resolve_tree_shape(model, draft: Eagle3DraftModel, eagle3_kwargs: dict) -> dict:
-    """The call's settings with `tree_shape` resolved: `"fixed"` (the default when any tree setting is passed)
-    keeps them; `"auto"` (the draft config's `tree_shape` otherwise) adds the shape `calibration.choose_tree`
-    predicts fastest here, or `tree_depth=None` to decode plainly, and the reason as `shape_choice`."""
-    settings = dict(eagle3_kwargs)
-    explicit = [name for name in TREE_KWARGS if name in settings]
-    shape = settings.pop("tree_shape", None) or ("fixed" if explicit else draft.config.tree_shape)
-    if shape not in ("fixed", "auto"):
-        raise ValueError(f"tree_shape must be 'fixed' or 'auto', got {shape!r}.")
-    if shape == "fixed":
-        return settings
-    if explicit:
-        raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(explicit)} or tree_shape.")
-    choice = choose_tree(model, draft, settings.get("ngram_candidates"))
-    if choice.settings is None:
-        return settings | {"tree_depth": None, "shape_choice": choice.reason}
-    shape = choice.settings
-    return settings | {"tree_depth": shape.depth, "tree_top_k": shape.top_k, "tree_total_tokens": shape.total_tokens,
-                       "shape_choice": choice.reason}
+def _with_stop_string_criteria(model, arguments: dict) -> dict:
+    """`generate`'s keyword arguments (`arguments`, as bound, `kwargs` flattened) with the call's stop strings turned
+    into a `StopStringCriteria`: transformers 5.24 does not hand the tokenizer to a `custom_generate` callable's
+    stopping criteria (it builds them without, and refuses stop strings), so they are built here, as `generate`
+    builds them."""
+    arguments = dict(arguments)
+    arguments.update(arguments.pop("kwargs", {}))
+    tokenizer = arguments.get("tokenizer")
+    config = arguments.get("generation_config") or model.generation_config
+    stop_strings = arguments["stop_strings"] if "stop_strings" in arguments else config.stop_strings
+    if tokenizer is None or not stop_strings:
+        return arguments
+    criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    return arguments | {"stopping_criteria": criteria, "stop_strings": None}
 
 
 def _check_device(draft: Eagle3DraftModel, model) -> None:
@@ -462,10 +703,11 @@ def _check_device(draft: Eagle3DraftModel, model) -> None:
         )
 
 
-def _layered_settings(model, draft: Eagle3DraftModel, args: tuple, kwargs: dict, call_settings: dict) -> dict:
+def _layered_settings(draft: Eagle3DraftModel, generation_config, call_settings: dict) -> dict:
     """The call's EAGLE-3 settings, where transformers looks for an assistant's (`num_assistant_tokens` is read from
-    the assistant's `generation_config`): the call's keyword arguments, over the call's `generation_config`, over
-    the target's, over the draft's `generation_config` (the draft config's defaults come last, in `_tree_settings`).
+    the assistant's `generation_config`): the call's keyword arguments, over the call's `generation_config` as
+    `generate` prepared it (the call's own over the target's, field by field), over the draft's `generation_config`
+    (the draft config's defaults come last, in `_tree_settings`).
     A level that sets `tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes a lower `tree_shape`.
     transformers' own assisted-generation sizes are read from the assistant's `generation_config` only: set there,
     they are refused, as they are in the call."""
@@ -476,10 +718,9 @@ def _layered_settings(model, draft: Eagle3DraftModel, args: tuple, kwargs: dict,
             "generation, which EAGLE-3 replaces: unset them, and set tree_depth / tree_top_k / tree_total_tokens "
             "(or tree_shape='auto') instead."
         )
-    call_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
     levels = [
-        {name: getattr(config, name) for name in EAGLE3_KWARGS if getattr(config, name, None) is not None}
-        for config in (draft.generation_config, model.generation_config, call_config)
+        {name: getattr(config, name) for name in SETTING_KWARGS if getattr(config, name, None) is not None}
+        for config in (draft.generation_config, generation_config)
     ]
     settings = {}
     for level in (*levels, call_settings):
@@ -492,13 +733,21 @@ def _layered_settings(model, draft: Eagle3DraftModel, args: tuple, kwargs: dict,
 
 
 def _wrap_generate(original):
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        eagle3_kwargs = {name: kwargs.pop(name) for name in EAGLE3_KWARGS if name in kwargs}
-        draft = _assistant_of(args, kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments  # generate's own TypeError on a bad call
+        draft, custom_generate = arguments.get("assistant_model"), arguments.get("custom_generate")
+        if isinstance(custom_generate, str):  # a repository's generate: it receives every argument itself
+            return original(self, *args, **kwargs)
         if not isinstance(draft, Eagle3DraftModel):
-            if eagle3_kwargs:
-                raise TypeError(f"{sorted(eagle3_kwargs)} only apply with an Eagle3DraftModel as assistant_model.")
+            if custom_generate is eagle3_generate:
+                arguments = {name: value for name, value in arguments.items() if name != "self"}
+                return original(self, **_with_stop_string_criteria(self, arguments))
+            passed = sorted(name for name in EAGLE3_KWARGS if name in kwargs)
+            if passed:
+                raise TypeError(f"{passed} only apply with an Eagle3DraftModel as assistant_model.")
             return original(self, *args, **kwargs)
         ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if name in kwargs)
         if ignored:
@@ -506,69 +755,33 @@ def _wrap_generate(original):
                 f"{', '.join(ignored)} size transformers' own assisted generation, which EAGLE-3 replaces: drop them, "
                 "and set tree_depth / tree_top_k / tree_total_tokens (or tree_shape='auto') instead."
             )
-        # before transformers' own assistant checks, which would ask for an assistant tokenizer on a vocabulary mismatch
-        adopt_target_layers(draft.config, self)
-        check_compatibility(draft.config, self)
-        _check_device(draft, self)
-        record_target_special_tokens(draft.config, self)
-        settings = _resolve_tree_shape(self, draft, _layered_settings(self, draft, args, kwargs, eagle3_kwargs))
-        if "tree_depth" in settings and settings["tree_depth"] is None:  # no tree pays here: plain decoding
-            logger.warning_once(settings["shape_choice"])
-            draft.generation_stats = Eagle3GenerationStats(None, shape_choice=settings["shape_choice"])
-            plain_args, plain_kwargs = _without_assistant(args, kwargs)
-            return original(self, *plain_args, **plain_kwargs)
-        token = _call_settings.set(settings)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _call_settings.reset(token)
+        if "assistant_tokenizer" in kwargs:
+            raise ValueError("An Eagle3DraftModel shares the target's tokenizer: drop assistant_tokenizer.")
+        if custom_generate is not None:
+            raise ValueError(
+                "assistant_model=<Eagle3DraftModel> decodes with hf_eagle3's own custom_generate: drop custom_generate."
+            )
+        arguments = {name: value for name, value in arguments.items() if name not in ("self", "assistant_model")}
+        streamer = arguments.pop("streamer", None)  # not passed to a custom_generate callable: handed over by name
+        return original(self, **_with_stop_string_criteria(self, arguments), custom_generate=eagle3_generate,
+                        draft=draft, eagle3_streamer=streamer)
 
     return generate
 
 
-def _wrap_validate_generation_mode(original):
-    @functools.wraps(original)
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        if isinstance(generation_mode_kwargs.get("assistant_model"), Eagle3DraftModel):
-            if generation_mode != GenerationMode.ASSISTED_GENERATION:
-                raise ValueError(
-                    f"EAGLE-3 decoding supports greedy decoding and sampling (num_beams=1), not {generation_mode}: "
-                    "drop num_beams / penalty_alpha / constraints, or generate without assistant_model."
-                )
-            if generation_config.num_return_sequences > 1:
-                raise ValueError(
-                    f"EAGLE-3 decoding returns one sequence per call, got num_return_sequences="
-                    f"{generation_config.num_return_sequences}: call generate several times instead."
-                )
-            if generation_config.prompt_lookup_num_tokens is not None or "assistant_tokenizer" in generation_mode_kwargs:
-                raise ValueError(
-                    "An Eagle3DraftModel shares the target's tokenizer and replaces prompt lookup: drop "
-                    "assistant_tokenizer / prompt_lookup_num_tokens."
-                )
-        return original(self, generation_mode, generation_config, generation_mode_kwargs)
-
-    return _validate_generation_mode
-
-
-def _wrap_assisted_decoding(original):
-    @functools.wraps(original)
-    def _assisted_decoding(self, *args, assistant_model=None, **kwargs):
-        if isinstance(assistant_model, Eagle3DraftModel):
-            return eagle3_decoding(self, *args, assistant_model=assistant_model, **kwargs)
-        return original(self, *args, assistant_model=assistant_model, **kwargs)
-
-    return _assisted_decoding
-
-
 def install() -> None:
-    """Route `generate(assistant_model=<Eagle3DraftModel>)` to EAGLE-3 decoding (idempotent)."""
-    for name, wrap in (
-        ("generate", _wrap_generate),
-        ("_validate_generation_mode", _wrap_validate_generation_mode),
-        ("_assisted_decoding", _wrap_assisted_decoding),
-    ):
-        original = getattr(GenerationMixin, name)
-        if not getattr(original, "_hf_eagle3_hook", False):
-            hooked = wrap(original)
-            hooked._hf_eagle3_hook = True
-            setattr(GenerationMixin, name, hooked)
+    """Route `generate(assistant_model=<Eagle3DraftModel>)` to EAGLE-3 decoding (idempotent): wraps
+    `GenerationMixin.generate`, the one method hf_eagle3 replaces."""
+    original = GenerationMixin.generate
+    if getattr(original, "_hf_eagle3_hook", False):
+        return
+    missing = {"assistant_model", "streamer", "custom_generate", "kwargs"} - set(inspect.signature(original).parameters)
+    if missing:
+        raise ImportError(
+            f"This transformers' GenerationMixin.generate has no {', '.join(sorted(missing))} parameter, which "
+            "hf_eagle3 routes EAGLE-3 decoding through: install a tested transformers version "
+            "(hf_eagle3.compatibility.TESTED_TRANSFORMERS)."
+        )
+    hooked = _wrap_generate(original)
+    hooked._hf_eagle3_hook = True
+    GenerationMixin.generate = hooked

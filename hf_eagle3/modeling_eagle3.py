@@ -26,6 +26,7 @@ This file only imports torch, transformers and safetensors (a transformers depen
 remote code of saved checkpoints.
 """
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,7 +233,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.post_init()
         self.generation_config = GenerationConfig()
-        self.generation_stats = None  # what the last EAGLE-3 `generate` call did (`Eagle3GenerationStats`)
+        self._generation_stats_of_thread = {}  # thread id -> `Eagle3GenerationStats` (see `generation_stats`)
         self._target_embedding_attached = not config.share_target_embedding
         self._target_lm_head_attached = not config.share_target_lm_head
         shared = self._shared_module_names()
@@ -406,6 +407,17 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self.d2t.copy_(ids - torch.arange(ids.numel()))
             self.t2d.zero_()
             self.t2d[ids] = True
+
+    @property
+    def generation_stats(self):
+        """What this thread's last EAGLE-3 `generate` call with this draft did (an
+        `hf_eagle3.generation.Eagle3GenerationStats`), `None` before its first: threads sharing one draft each read
+        their own call's. `generate(..., return_dict_in_generate=True)` also returns it, as `output.eagle3_stats`."""
+        return self._generation_stats_of_thread.get(threading.get_ident())
+
+    @generation_stats.setter
+    def generation_stats(self, stats) -> None:
+        self._generation_stats_of_thread[threading.get_ident()] = stats
 
     @property
     def draft_to_target(self) -> torch.Tensor:

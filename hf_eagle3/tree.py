@@ -106,18 +106,26 @@ def tree_attention_mask(
     dtype: torch.dtype,
     depths: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Additive `[1, 1, n, P + n]` mask: every node sees the visible prefix (`[P]` bool) and its own ancestors.
+    """Additive `[B, 1, n, P + n]` mask: every node sees its row's visible prefix and its own ancestors.
 
-    With a `sliding_window` (and the nodes' `depths`), a node also sees only keys fewer than `sliding_window`
-    sequence indices behind it, as transformers' sliding-window masks do: node `i` sits at index `P + depths[i]`.
+    `ancestors` is `[n, n]` for one tree (`B = 1`, with `prefix_visible` `[P]` bool) or `[B, n, n]` for one tree per
+    row of a batch (with `prefix_visible` `[B, P]`).
+
+    With a `sliding_window`, a node also sees only keys fewer than `sliding_window` positions behind it, as
+    transformers' sliding-window masks do. The keys' positions are `key_positions` (`[B, P + n]`: the prefix's cache
+    entries, then the nodes), or else their sequence indices, node `i` sitting at index `P + depths[i]`.
     The float form (0 = attend, dtype minimum = masked) is read the same way by eager, sdpa and flex attention.
     """
-    num_nodes = ancestors.shape[0]
-    visible = torch.cat([prefix_visible[None, :].expand(num_nodes, -1), ancestors], dim=1)
+    ancestors = ancestors if ancestors.dim() == 3 else ancestors[None]
+    prefix_visible = prefix_visible if prefix_visible.dim() == 2 else prefix_visible[None]
+    num_nodes, prefix_length = ancestors.shape[-1], prefix_visible.shape[-1]
+    visible = torch.cat([prefix_visible[:, None, :].expand(-1, num_nodes, -1), ancestors], dim=-1)  # [B, n, P + n]
     if sliding_window is not None:
-        prefix_length = prefix_visible.numel()
-        query_index = prefix_length + depths  # [n]
-        key_index = torch.cat([torch.arange(prefix_length, device=depths.device), query_index])  # [P + n]
-        visible = visible & (query_index[:, None] - key_index[None, :] < sliding_window)
-    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+        if key_positions is None:
+            prefix_indices = torch.arange(prefix_length, device=depths.device)
+            key_positions = torch.cat([prefix_indices, prefix_length + depths])[None]
+        query_positions = key_positions[:, prefix_length:]  # [B, n]
+        visible = visible & (query_positions[:, :, None] - key_positions[:, None, :] < sliding_window)
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]

@@ -18,7 +18,6 @@ import torch
 
 from .calibration import MIN_PREDICTED_SPEEDUP, MachineCosts, ShapePrediction, measure_costs, predict
 from .drafter import max_candidates
-from .generation import recording_greedy_cycles
 from .loading import add_model_arguments, load_models, load_prompt_set, save_draft, stored_dtype
 from .modeling_eagle3 import Eagle3DraftModel
 
@@ -76,11 +75,10 @@ def acceptance_profile(
         accepted_sums = torch.zeros(len(depths), len(totals), dtype=torch.long)
         cycles = 0
         for input_ids in tqdm(prompts, desc=f"acceptance profile, top-k {top_k}", disable=not progress):
-            with recording_greedy_cycles():
-                target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
-                                tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest,
-                                ngram_candidates=ngram_candidates)
-            stats = draft.generation_stats
+            stats = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
+                                    tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest,
+                                    ngram_candidates=ngram_candidates, record_greedy_cycles=True,
+                                    return_dict_in_generate=True).eagle3_stats
             drafted = max_candidates(max_depth, top_k)  # candidates after these are a continuation's own
             for (tree, path), emitted in zip(stats.greedy_cycles, stats.acceptance_lengths):
                 holding_depths = tree.candidate_depths.clone()

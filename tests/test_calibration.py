@@ -1,5 +1,5 @@
-"""`tree_shape="auto"`: costs measured on this machine and cached per target, draft, dtype and thread count; the
-predicted-fastest shape used by `generate`, or plain decoding (the draft not run) when no shape pays."""
+"""`tree_shape="auto"`: costs measured on this machine and cached per target, draft, dtype, thread count and batch
+size; the predicted-fastest shape used by `generate`, or plain decoding (the draft not run) when no shape pays."""
 
 import copy
 import json
@@ -136,3 +136,19 @@ def test_auto_reads_the_profile_rows_of_the_calls_ngram_setting(cache, llama_tar
         smallest["tree_depth"], smallest["tree_top_k"], smallest["tree_total_tokens"])
     assert len(choice.predictions) == len(draft_only)
     assert choose_tree(llama_target, auto_draft, ngram_candidates=False).predictions[0].tau < 50.0
+
+
+def test_a_batch_is_calibrated_at_its_size_and_decoded_with_its_own_choice(cache, llama_target, auto_draft):
+    _, single = calibrate(llama_target, auto_draft)
+    costs, batched = calibrate(llama_target, auto_draft, batch_size=4)
+    assert batched != single and json.loads(batched.read_text())["key"]["batch_size"] == 4
+    assert set(costs.verify) == set(calibrate(llama_target, auto_draft)[0].verify)  # the same sizes, at 4 rows
+    # generate at batch size 4 reads the batch's calibration: here one where every tree pays
+    _rewrite_costs(batched, verify=lambda verify: {n: 1e-4 for n in verify},
+                   draft=lambda draft: [[depth, top_k, 0.0] for depth, top_k, _ in draft], other=lambda other: 0.0)
+    choice = choose_tree(llama_target, auto_draft, batch_size=4)
+    batch = torch.randint(1, 90, (4, 6), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(attention_mask=torch.ones_like(batch), max_new_tokens=16, do_sample=False)
+    output = llama_target.generate(batch, assistant_model=auto_draft, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(output.sequences, llama_target.generate(batch, **kwargs))
+    assert output.eagle3_stats.settings == choice.settings and "predicted" in output.eagle3_stats.shape_choice

@@ -7,7 +7,6 @@ from transformers import AutoModel, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from hf_eagle3 import Eagle3DraftModel
-from hf_eagle3.generation import recording_greedy_cycles
 
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 
@@ -181,8 +180,7 @@ def test_statistics_describe_the_call(llama_target, fitted_draft):
     assert min(stats.draft_seconds, stats.verify_seconds, stats.other_seconds, stats.prefill_seconds) > 0
     assert stats.greedy_cycles == []  # kept only on request: a long generation does not hold every tree
 
-    with recording_greedy_cycles():
-        _eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, **TREE)
+    _eagle(llama_target, fitted_draft, prompt, max_new_tokens=40, record_greedy_cycles=True, **TREE)
     cycles, lengths = fitted_draft.generation_stats.greedy_cycles, fitted_draft.generation_stats.acceptance_lengths
     # each cycle emits its accepted path (drafted tokens + bonus); the last one only what max_new_tokens leaves
     assert [path.numel() for _, path in cycles[:-1]] == lengths[:-1] and cycles[-1][1].numel() >= lengths[-1]
@@ -216,11 +214,6 @@ def test_unsupported_settings_raise(llama_target, kwargs, message):
     kwargs = dict(do_sample=False, max_new_tokens=5) | kwargs
     with pytest.raises(ValueError, match=message):
         llama_target.generate(PROMPTS[0], assistant_model=tiny_draft(), **kwargs)
-
-
-def test_batches_raise(llama_target):
-    with pytest.raises(ValueError, match="batch size 1"):
-        _eagle(llama_target, tiny_draft(), torch.randint(1, VOCAB, (2, 5)), max_new_tokens=5)
 
 
 def test_static_cache_raises(llama_target):

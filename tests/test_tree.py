@@ -81,3 +81,15 @@ def test_tree_attention_mask_applies_a_sliding_window_by_sequence_index():
         [0, 0, 0, 1, 1, 1, 0],  # index 5 sees 3, 4, 5
         [0, 0, 0, 0, 1, 1, 1],  # index 6 sees 4, 5, 6
     ]
+
+
+def test_tree_attention_mask_of_a_batch_measures_the_window_in_each_rows_positions():
+    # two rows, one chain root -> 1 each, window 2; row 1's prefix holds a hidden entry between positions 1 and 2
+    ancestors = ancestor_matrix(torch.tensor([0, 0]), max_depth=1).expand(2, -1, -1)
+    prefix_visible = torch.tensor([[True, True, True, True], [True, True, False, True]])
+    key_positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 9, 2, 3, 4]])  # prefix entries, then the two nodes
+    mask = tree_attention_mask(ancestors, prefix_visible, torch.float32, sliding_window=2, key_positions=key_positions)
+    assert mask.shape == (2, 1, 2, 6)
+    visible = (mask[:, 0] == 0).int().tolist()
+    assert visible[0] == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]  # by sequence index, as for one row
+    assert visible[1] == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]  # position 2 is index 3: the hidden entry skipped

@@ -1,0 +1,129 @@
+"""`hf-eagle3 bench-batches`: throughput over a batch (tokens per second, every row's generated tokens) of plain
+batched `generate` against EAGLE-3 batched `generate`, at several batch sizes.
+
+Each batch size takes the first `batch_size` prompts of the round-robin of MT-bench first turns and HumanEval prompts,
+chat-templated and left-padded as a tokenizer with `padding_side="left"` pads them. EAGLE-3 decodes with
+`tree_shape="auto"`: the tree the calibration predicts fastest at that batch size on this machine (or plain decoding
+when none pays); with `fixed_tree`, EAGLE-3 with that fixed shape is timed too (what the calibration's choice is
+checked against). The methods run once per batch size before anything is timed; then, per batch size, they run back
+to back `repetitions` times, and each method's time is the median. Greedy outputs are compared row for row.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .calibration import machine_description
+from .loading import add_model_arguments, load_models, prompt_texts
+
+PAD_AFTER_STOP = "tokens after a row's end (padding) are not counted"
+
+
+def chat_batch(tokenizer, messages: list[str]) -> dict:
+    """Left-padded `input_ids` and `attention_mask` of single-turn chats, ready for the assistant's answers."""
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        return tokenizer.apply_chat_template([[{"role": "user", "content": text}] for text in messages],
+                                             add_generation_prompt=True, padding=True, return_dict=True,
+                                             return_tensors="pt")
+    finally:
+        tokenizer.padding_side = padding_side
+
+
+def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: set[int]) -> int:
+    """Tokens the rows generated, each up to and including its first end-of-sequence token (padding after it is
+    not generated)."""
+    total = 0
+    for row in sequences[:, prompt_width:].tolist():
+        ends = [index for index, token in enumerate(row) if token in eos_token_ids]
+        total += ends[0] + 1 if ends else len(row)
+    return total
+
+
+def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens: int, repetitions: int,
+                fixed_tree: tuple[int, int, int] | None = None) -> list[dict]:
+    texts = [text for pair in zip(prompt_texts("mt-bench"), prompt_texts("humaneval")) for text in pair]
+    eos = target.generation_config.eos_token_id
+    eos_token_ids = set(eos if isinstance(eos, list) else [eos])
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    rows = []
+    for batch_size in batch_sizes:
+        batch = chat_batch(tokenizer, texts[:batch_size])
+        width = batch["input_ids"].shape[1]
+
+        methods = {
+            "plain": dict(),
+            "eagle3": dict(assistant_model=draft, tree_shape="auto", return_dict_in_generate=True),
+        }
+        if fixed_tree:
+            depth, top_k, total_tokens = fixed_tree
+            methods["fixed"] = dict(assistant_model=draft, tree_depth=depth, tree_top_k=top_k,
+                                    tree_total_tokens=total_tokens, return_dict_in_generate=True)
+        for method in methods.values():  # warm-up (and the calibration at this batch size, once per machine)
+            target.generate(**batch, **kwargs, **method)
+        times, outputs = {name: [] for name in methods}, {}
+        for _ in range(repetitions):
+            for name, method in methods.items():
+                start = time.perf_counter()
+                outputs[name] = target.generate(**batch, **kwargs, **method)
+                times[name].append(time.perf_counter() - start)
+        tokens = generated_tokens(outputs["plain"], width, eos_token_ids)
+        seconds = {name: statistics.median(values) for name, values in times.items()}
+        row = {"batch_size": batch_size, "generated_tokens": tokens}
+        for name in methods:
+            row[f"{name}_tokens_per_second"] = tokens / seconds[name]
+            if name == "plain":
+                continue
+            stats = outputs[name].eagle3_stats
+            shape = stats.settings
+            row[name] = {
+                "speedup": seconds["plain"] / seconds[name],
+                "tree": f"depth {shape.depth}, top-k {shape.top_k}, {shape.total_tokens} tokens" if shape else "plain",
+                "tau": stats.mean_acceptance_length if shape else 1.0,
+                "identical_rows": sum(torch.equal(a, b) for a, b in zip(outputs[name].sequences, outputs["plain"])),
+                "shape_choice": stats.shape_choice,
+            }
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| batch | method | tok/s | speedup | tree | τ | rows equal to plain |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['batch_size']} | plain | {row['plain_tokens_per_second']:.1f} | 1.00x | | | |")
+        for name, label in (("eagle3", "EAGLE-3, tree_shape='auto'"), ("fixed", "EAGLE-3, fixed tree")):
+            if name in row:
+                method = row[name]
+                lines.append(f"| {row['batch_size']} | {label} | {row[f'{name}_tokens_per_second']:.1f} | "
+                             f"{method['speedup']:.2f}x | {method['tree']} | {method['tau']:.2f} | "
+                             f"{method['identical_rows']}/{row['batch_size']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _run(args: argparse.Namespace) -> None:
+    target, tokenizer, draft = load_models(args)
+    rows = run_batches(target, tokenizer, draft, args.batch_sizes, args.max_new_tokens, args.repetitions,
+                       tuple(args.fixed_tree) if args.fixed_tree else None)
+    print(f"{machine_description(target.device)}, {args.dtype}, {torch.get_num_threads()} threads, "
+          f"{args.max_new_tokens} new tokens; {PAD_AFTER_STOP}")
+    print(markdown_table(rows))
+    if args.output:
+        Path(args.output).write_text(json.dumps({"machine": machine_description(target.device), "rows": rows},
+                                                indent=1))
+
+
+def register_cli(subparsers) -> None:
+    parser = subparsers.add_parser("bench-batches", help="Throughput of plain against EAGLE-3 batched generate.")
+    add_model_arguments(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--fixed-tree", type=int, nargs=3, metavar=("DEPTH", "TOP_K", "TOKENS"),
+                        help="also time EAGLE-3 with this fixed tree at every batch size")
+    parser.add_argument("--output", help="write the figures to this JSON file")
+    parser.set_defaults(run=_run)
