@@ -37,10 +37,15 @@ from .modeling_eagle3 import Eagle3DraftModel
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
 
-def compiled_plain_kwargs(max_cache_len: int | None = None) -> dict:
-    """`generate` settings for plain decoding with a static cache and `torch.compile`, transformers' own way
+# Static-cache room past the longest prompt and its answer, for EAGLE-3's last tree (any profiled one)
+TREE_ROOM = 64
+
+
+def compiled_kwargs(max_cache_len: int | None = None) -> dict:
+    """`generate` settings for decoding with a static cache and `torch.compile`, transformers' own way
     (`CompileConfig`); on CPU, transformers compiles only when told to (`_compile_all_devices`). A `max_cache_len`
-    that fits every prompt gives every call the same cache shape: one compilation for the whole benchmark."""
+    that fits every prompt gives every call the same cache shape: one compilation for the whole benchmark (per tree
+    size for EAGLE-3, which compiles its verification forward)."""
     compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
     compile_config._compile_all_devices = True
     return {"cache_implementation": "static", "compile_config": compile_config, "max_cache_len": max_cache_len}
@@ -65,13 +70,15 @@ def methods_from_names(
     """`plain`, `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
     (the fixed shape `depth` x `top_k` x `total_tokens`), `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or
     `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays);
-    `compiled` sizes its static cache to `max_cache_len` tokens. An
+    `compiled` methods size their static cache to `max_cache_len` tokens. An
     EAGLE-3 method decodes with the draft's `ngram_candidates` setting; the suffix `+ngram` puts context n-gram
-    candidates in its trees, `-ngram` leaves them out, and `+exact` verifies with `exact_attention=True` (suffixes in
-    that order)."""
+    candidates in its trees, `-ngram` leaves them out, `+exact` verifies with `exact_attention=True`, and `+compiled`
+    verifies as `compiled` decodes, with a static cache and `torch.compile` (suffixes in that order)."""
     methods = []
     for name in names:
-        eagle3_name, exact = name.removesuffix("+exact"), name.endswith("+exact")
+        eagle3_name, compiled = name.removesuffix("+compiled"), name.endswith("+compiled")
+        static = compiled_kwargs(max_cache_len) if compiled else {}
+        eagle3_name, exact = eagle3_name.removesuffix("+exact"), eagle3_name.endswith("+exact")
         ngram = {}
         for suffix, enabled in (("+ngram", True), ("-ngram", False)):
             if eagle3_name.endswith(suffix):
@@ -81,9 +88,9 @@ def methods_from_names(
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
         elif name == "compiled":
-            methods.append(Method(name, compiled_plain_kwargs(max_cache_len)))
+            methods.append(Method(name, compiled_kwargs(max_cache_len)))
         elif eagle3_name == "auto":
-            methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact} | ngram))
+            methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact} | ngram | static))
         elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
             if eagle3_name == "chain":
                 tree_depth, tree_top_k, tree_total = depth, 1, depth
@@ -92,11 +99,11 @@ def methods_from_names(
             else:
                 tree_depth, tree_top_k, tree_total = (int(part) for part in eagle3_name[5:].split("x"))
             shape = {"tree_depth": tree_depth, "tree_top_k": tree_top_k, "tree_total_tokens": tree_total}
-            methods.append(Method(name, shape | {"exact_attention": exact} | ngram))
+            methods.append(Method(name, shape | {"exact_attention": exact} | ngram | static))
         else:
             raise ValueError(
                 f"Unknown method {name!r}: use plain, prompt-lookup, compiled, chain, tree, tree:DxKxN or auto "
-                "(EAGLE-3 methods may end in +ngram or -ngram, then +exact)."
+                "(EAGLE-3 methods may end in +ngram or -ngram, then +exact or +compiled)."
             )
     if methods[0].name != "plain":
         raise ValueError("The first method must be `plain`: speedups and output checks are measured against it.")
@@ -394,9 +401,10 @@ def _run(args: argparse.Namespace) -> None:
     prompt_sets = {name: load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
                    for name in args.prompts}
     longest = max(prompt.shape[1] for prompts in prompt_sets.values() for prompt in prompts) + args.max_new_tokens
+    # one static-cache shape for every compiled method and prompt, with room for EAGLE-3's last tree
     methods = methods_from_names(
         args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
-        args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest,
+        args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest + TREE_ROOM,
     )
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
     output_dir = Path(args.output)
@@ -427,7 +435,8 @@ def register_cli(subparsers) -> None:
                              "draft's fixed defaults), tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this "
                              "machine); EAGLE-3 methods may end in +ngram / -ngram (context n-gram candidates in the "
                              "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "
-                             "greedy outputs bit-identical to plain on CPU)")
+                             "greedy outputs bit-identical to plain on CPU) or +compiled (verification through a "
+                             "static cache and torch.compile, as `compiled` decodes)")
     parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--repetitions", type=int, default=3,

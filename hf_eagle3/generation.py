@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationMixin
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache, StaticLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -194,11 +194,18 @@ def _check_supported(model, input_ids: torch.Tensor, generation_config, model_kw
             "sequence per call."
         )
     cache = model_kwargs.get("cache")
-    if type(cache) is not DynamicCache or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    layer_type = {DynamicCache: DynamicLayer, StaticCache: StaticLayer}.get(type(cache))
+    if layer_type is None or any(type(layer) is not layer_type for layer in cache.layers):
         raise ValueError(
-            f"EAGLE-3 decoding needs a plain DynamicCache on the target (full attention), got {type(cache).__name__}"
+            "EAGLE-3 decoding needs a plain DynamicCache or StaticCache on the target (full attention), got "
+            f"{type(cache).__name__}"
             f"{' with ' + ', '.join(sorted({type(layer).__name__ for layer in cache.layers})) if cache else ''}: "
-            "drop cache_implementation / the cache argument."
+            "drop the cache argument, or use cache_implementation='static' / 'dynamic'."
+        )
+    if type(cache) is StaticCache and batch_size > 1:
+        raise ValueError(
+            f"EAGLE-3 decoding with a static cache generates one sequence per call, got a batch of {batch_size}: drop "
+            "cache_implementation='static', or generate one sequence per call."
         )
     if cache.get_seq_length() and batch_size > 1:
         raise ValueError("EAGLE-3 decoding of a batch starts from an empty cache: drop the cache argument.")
@@ -257,12 +264,16 @@ class _TargetAttention:
         return exact_tree_attention(model, trees[0], prefix_length) if self.exact else contextlib.nullcontext()
 
     def verification_mask(self, trees: list[DraftTree], prefix_visible: torch.Tensor, key_positions: torch.Tensor,
-                          dtype: torch.dtype):
+                          dtype: torch.dtype, key_length: int | None = None):
         """Masks of one tree per row, each over its row's visible prefix (`[B, P]`); `key_positions` `[B, P + n]`
-        are the positions of the prefix's cache entries and of the nodes (what a sliding window is measured in)."""
+        are the positions of the prefix's cache entries and of the nodes (what a sliding window is measured in).
+        `key_length`: a static cache's length, whose entries past the nodes are hidden (full attention only)."""
         ancestors = torch.stack([tree.ancestors for tree in trees])
         if self.sliding_window is None:
-            return tree_attention_mask(ancestors, prefix_visible, dtype)
+            mask = tree_attention_mask(ancestors, prefix_visible, dtype)
+            if key_length is None:
+                return mask
+            return torch.nn.functional.pad(mask, (0, key_length - mask.shape[-1]), value=torch.finfo(dtype).min)
         sliding = tree_attention_mask(ancestors, prefix_visible, dtype, sliding_window=self.sliding_window,
                                       key_positions=key_positions)
         if not self.mixed:
@@ -283,15 +294,16 @@ def _tree_settings(draft: Eagle3DraftModel, overrides: dict) -> TreeSettings:
     return settings
 
 
-def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+def _keep_cache_entries(cache: DynamicCache | StaticCache, start: int, keep: torch.Tensor) -> None:
     """Of each row's cache entries from `start` on, keep those at offsets `keep[b]` (`[B, M]`, sorted), moved to be
-    contiguous; where a row keeps fewer than `M`, its `keep` repeats any offset (the row's mask hides those)."""
+    contiguous; where a row keeps fewer than `M`, its `keep` repeats any offset (the row's mask hides those). A static
+    cache's tensors are updated in place (a compiled forward holds their addresses)."""
     end = start + keep.shape[1]
     for layer in cache.layers:
         index = (start + keep)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
         layer.keys[:, :, start:end] = layer.keys.gather(2, index)
         layer.values[:, :, start:end] = layer.values.gather(2, index)
-        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+    cache.crop(end - int(cache.get_seq_length()))
 
 class _TargetDistribution:
     """The target's processed next-token scores at tree nodes of row `row` of a batch of `batch_size`, exactly as plain
@@ -544,6 +556,24 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
     batch_size, device = input_ids.shape[0], input_ids.device
     attention = _TargetAttention(model, exact, model_kwargs.get("attention_mask"), batch_size)
+    static_length = None  # a static cache's key length (what every verification mask spans), None for a dynamic one
+    if type(cache) is StaticCache:
+        if exact:
+            raise ValueError("exact_attention=True verifies node by node over a dynamic cache: drop "
+                             "cache_implementation='static', or drop exact_attention.")
+        # The last cycle verifies a whole tree after at most `max_length - 1` cached tokens.
+        needed = generation_config.max_length + settings.total_tokens
+        if cache.layers[0].max_cache_len < needed:
+            if cache.get_seq_length():
+                raise ValueError(f"EAGLE-3 decoding into this static cache needs room for {needed} tokens (max_length "
+                                 f"plus the tree's {settings.total_tokens}): pass a StaticCache of max_cache_len >= "
+                                 f"{needed}.")
+            model_kwargs["cache"] = cache = StaticCache(config=model.config, max_cache_len=needed)
+        static_length = cache.layers[0].max_cache_len
+    # As `_sample` does: the forwards after the prefill compiled where transformers compiles them (a static cache on
+    # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
+    compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    verify_forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
     draft.attach_target(model)
     do_sample = generation_config.do_sample
     temperature = (generation_config.temperature or 1.0) if do_sample else None
@@ -616,11 +646,12 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
         prefix_length = prefix_visible.shape[1]
         node_positions = root_positions[:, None] + torch.stack([tree.depths for tree in trees])  # [b, n]
         with stopwatch.time("verify_seconds"), attention.verifying(model, trees, prefix_length):
-            outputs = model(
+            outputs = verify_forward(
                 input_ids=torch.stack([tree.tokens for tree in trees]),
                 position_ids=node_positions,
                 attention_mask=attention.verification_mask(
-                    trees, prefix_visible, torch.cat([key_positions, node_positions], dim=1), model.dtype
+                    trees, prefix_visible, torch.cat([key_positions, node_positions], dim=1), model.dtype,
+                    static_length
                 ),
                 cache=cache,
                 output_hidden_states=layer_ids,
@@ -651,7 +682,7 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
         root_positions = root_positions + lengths
 
     if batch_size == 1:  # a cycle cut short by a stop leaves entries past the last kept token: plain decoding has none
-        cache.crop(min(0, rows[0].tokens.numel() - 1 - cache.get_seq_length()))
+        cache.crop(min(0, rows[0].tokens.numel() - 1 - int(cache.get_seq_length())))
     if streamer is not None:
         streamer.end()
     final_length = max(row.stop_length for row in rows)

@@ -49,6 +49,9 @@ def test_peer_and_hybrid_method_names():
     assert methods[3].generate_kwargs == {"tree_shape": "auto", "exact_attention": False, "ngram_candidates": False}
     assert methods[4].generate_kwargs == {"tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5,
                                           "exact_attention": True, "ngram_candidates": True}
+    auto_compiled = methods_from_names(["plain", "auto+ngram+compiled"], 4, 3, 12, max_cache_len=300)[1]
+    assert auto_compiled.is_eagle3 and auto_compiled.generate_kwargs == {
+        "tree_shape": "auto", "exact_attention": False, "ngram_candidates": True} | compiled
 
 
 def test_acceptance_by_position():

@@ -216,10 +216,49 @@ def test_unsupported_settings_raise(llama_target, kwargs, message):
         llama_target.generate(PROMPTS[0], assistant_model=tiny_draft(), **kwargs)
 
 
-def test_static_cache_raises(llama_target):
-    cache = StaticCache(config=llama_target.config, max_cache_len=64)
-    with pytest.raises(ValueError, match="DynamicCache"):
-        _eagle(llama_target, tiny_draft(), PROMPTS[0], max_new_tokens=5, cache=cache)
+@pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])
+def test_static_cache_is_lossless(llama_target, fitted_draft, shape):
+    for prompt in PROMPTS:
+        expected = _plain(llama_target, prompt, max_new_tokens=30)
+        out = _eagle(llama_target, fitted_draft, prompt, max_new_tokens=30, cache_implementation="static",
+                     return_dict_in_generate=True, **shape)
+        assert torch.equal(out.sequences, expected) and fitted_draft.generation_stats.mean_acceptance_length > 1.0
+        assert isinstance(out.cache, StaticCache) and int(out.cache.get_seq_length()) == expected.shape[1] - 1
+
+
+def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refused_when_filled(llama_target, fitted_draft):
+    prompt, kwargs = PROMPTS[1], dict(max_new_tokens=20) | TREE
+    short = StaticCache(config=llama_target.config, max_cache_len=prompt.shape[1] + 20)  # no room for the last tree
+    assert torch.equal(_eagle(llama_target, fitted_draft, prompt, cache=short, **kwargs),
+                       _plain(llama_target, prompt, max_new_tokens=20))
+    filled = StaticCache(config=llama_target.config, max_cache_len=prompt.shape[1] + 20)
+    llama_target(prompt[:, :4], cache=filled)
+    with pytest.raises(ValueError, match="max_cache_len >= 41"):
+        _eagle(llama_target, fitted_draft, prompt, cache=filled, **kwargs)
+
+
+def test_compiled_verification_is_lossless(fitted_draft):
+    from hf_eagle3.bench import compiled_kwargs
+
+    target = tiny_target("llama")
+    compiled = compiled_kwargs(max_cache_len=64)
+    for prompt in PROMPTS:
+        expected = _plain(target, prompt, max_new_tokens=24)
+        assert torch.equal(_eagle(target, fitted_draft, prompt, max_new_tokens=24, **compiled, **TREE), expected)
+    assert target._compiled_call is not None  # verification ran through transformers' compiled forward
+
+
+def test_static_cache_with_exact_attention_raises(llama_target):
+    with pytest.raises(ValueError, match="exact_attention=True verifies node by node over a dynamic cache"):
+        _eagle(llama_target, tiny_draft(), PROMPTS[1], max_new_tokens=5, cache_implementation="static",
+               exact_attention=True, **TREE)
+
+
+def test_static_cache_with_a_batch_raises(llama_target):
+    batch = torch.cat([PROMPTS[1], PROMPTS[1]])
+    with pytest.raises(ValueError, match="static cache generates one sequence per call"):
+        _eagle(llama_target, tiny_draft(), batch, attention_mask=torch.ones_like(batch), max_new_tokens=5,
+               cache_implementation="static", **TREE)
 
 
 @pytest.fixture(scope="module", params=sorted(SLIDING_TARGETS))
