@@ -305,6 +305,26 @@ def _keep_cache_entries(cache: DynamicCache | StaticCache, start: int, keep: tor
         layer.values[:, :, start:end] = layer.values.gather(2, index)
     cache.crop(end - int(cache.get_seq_length()))
 
+
+def _sized_static_cache(model, cache, generation_config, settings: TreeSettings, exact: bool):
+    """`(cache, key_length)`: a static cache with room for the call's last tree, and its length (what every
+    verification mask spans); a dynamic cache as it is, with `None`. A static cache too short is replaced while empty
+    and refused once filled."""
+    if type(cache) is not StaticCache:
+        return cache, None
+    if exact:
+        raise ValueError("exact_attention=True verifies node by node over a dynamic cache: drop "
+                         "cache_implementation='static', or drop exact_attention.")
+    needed = generation_config.max_length + settings.total_tokens  # a whole tree after at most max_length - 1 tokens
+    if cache.layers[0].max_cache_len < needed:
+        if cache.get_seq_length():
+            raise ValueError(f"EAGLE-3 decoding into this static cache needs room for {needed} tokens (max_length "
+                             f"plus the tree's {settings.total_tokens}): pass a StaticCache of max_cache_len >= "
+                             f"{needed}.")
+        cache = StaticCache(config=model.config, max_cache_len=needed)
+    return cache, cache.layers[0].max_cache_len
+
+
 class _TargetDistribution:
     """The target's processed next-token scores at tree nodes of row `row` of a batch of `batch_size`, exactly as plain
     decoding would compute them. Processors may hold per-row state (a left-padded row's prompt length, ...), so the
@@ -556,20 +576,8 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
     batch_size, device = input_ids.shape[0], input_ids.device
     attention = _TargetAttention(model, exact, model_kwargs.get("attention_mask"), batch_size)
-    static_length = None  # a static cache's key length (what every verification mask spans), None for a dynamic one
-    if type(cache) is StaticCache:
-        if exact:
-            raise ValueError("exact_attention=True verifies node by node over a dynamic cache: drop "
-                             "cache_implementation='static', or drop exact_attention.")
-        # The last cycle verifies a whole tree after at most `max_length - 1` cached tokens.
-        needed = generation_config.max_length + settings.total_tokens
-        if cache.layers[0].max_cache_len < needed:
-            if cache.get_seq_length():
-                raise ValueError(f"EAGLE-3 decoding into this static cache needs room for {needed} tokens (max_length "
-                                 f"plus the tree's {settings.total_tokens}): pass a StaticCache of max_cache_len >= "
-                                 f"{needed}.")
-            model_kwargs["cache"] = cache = StaticCache(config=model.config, max_cache_len=needed)
-        static_length = cache.layers[0].max_cache_len
+    cache, static_length = _sized_static_cache(model, cache, generation_config, settings, exact)
+    model_kwargs["cache"] = cache
     # As `_sample` does: the forwards after the prefill compiled where transformers compiles them (a static cache on
     # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
     compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)
