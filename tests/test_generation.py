@@ -439,11 +439,11 @@ def test_context_ngram_candidates_raise_acceptance_on_repetitive_text(llama_targ
 
 
 def test_the_config_switches_context_ngram_candidates_and_a_call_overrides_it(llama_target, fitted_draft):
-    fitted_draft.config.ngram_candidates = True
+    default, fitted_draft.config.ngram_candidates = fitted_draft.config.ngram_candidates, True
     try:
         _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, **TREE)
         assert fitted_draft.generation_stats.continuation_tokens > 0
         _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, ngram_candidates=False, **TREE)
         assert fitted_draft.generation_stats.continuation_tokens == 0
     finally:
-        fitted_draft.config.ngram_candidates = False
+        fitted_draft.config.ngram_candidates = default  # the session's shared draft, as the next tests expect it
