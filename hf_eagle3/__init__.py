@@ -9,11 +9,11 @@ Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Au
 
 from transformers import AutoConfig, AutoModel
 
-from .compatibility import check_compatibility, check_transformers_version
+from .decoding.compatibility import check_compatibility, check_transformers_version
 from .configuration_eagle3 import Eagle3Config
-from .generation import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
+from .decoding.generate import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
 from .modeling_eagle3 import Eagle3DraftModel
-from .pipelines import install as install_pipeline_support
+from .decoding.pipelines import install as install_pipeline_support
 
 check_transformers_version()
 

@@ -118,10 +118,10 @@ class Eagle3Config(PreTrainedConfig):
         tree_shape (`str`, *optional*, defaults to `"fixed"`):
             `"fixed"`: decode with `tree_depth`, `tree_top_k` and `tree_total_tokens`. `"auto"`: decode with the shape
             predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
-            cached; see `hf_eagle3.calibration`), or plainly (without running the draft) when no shape is predicted
+            cached; see `hf_eagle3.decoding.calibration`), or plainly (without running the draft) when no shape is predicted
             to beat plain decoding. Passing any tree setting to `generate` decodes with that fixed shape.
         ngram_candidates (`bool`, *optional*, defaults to `True`):
-            Merge a context n-gram continuation into every draft tree (`hf_eagle3.ngram`): the tokens that followed
+            Merge a context n-gram continuation into every draft tree (`hf_eagle3.decoding.ngram`): the tokens that followed
             the latest occurrence of the last `ngram_max_match` (or fewer) tokens in the prompt and the text generated
             so far, ranked against the draft's own candidates by an acceptance rate learnt during the call, within the
             same `tree_total_tokens` budget. Lossless like the draft's candidates. `generate(ngram_candidates=...)`

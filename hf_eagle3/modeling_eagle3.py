@@ -307,11 +307,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return True
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload the draft with a generated model card (target, usage, measured results): `hf_eagle3.hub.push_draft`."""
+        """Upload the draft with a generated model card (target, usage, measured results): `hf_eagle3.publishing.hub.push_draft`."""
         # hf_eagle3 is not part of the remote code saved with the draft: inside `try`, transformers' import check of
         # remote code skips this import.
         try:
-            from hf_eagle3.hub import push_draft
+            from hf_eagle3.publishing.hub import push_draft
         except ImportError as error:
             raise ImportError("Pushing an EAGLE-3 draft with its model card needs `pip install hf-eagle3`.") from error
         return push_draft(self, repo_id, **kwargs)
@@ -411,7 +411,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     @property
     def generation_stats(self):
         """What this thread's last EAGLE-3 `generate` call with this draft did (an
-        `hf_eagle3.generation.Eagle3GenerationStats`), `None` before its first: threads sharing one draft each read
+        `hf_eagle3.decoding.generate.Eagle3GenerationStats`), `None` before its first: threads sharing one draft each read
         their own call's. `generate(..., return_dict_in_generate=True)` also returns it, as `output.eagle3_stats`."""
         return self._generation_stats_of_thread.get(threading.get_ident())
 

@@ -78,7 +78,7 @@ def tiny_draft(seed: int = 0, draft_vocab_size: int = 64, vocab_size: int = VOCA
 
 def fit_draft(draft: Eagle3DraftModel, target, steps: int = 200, seed: int = 0) -> Eagle3DraftModel:
     """A few hundred steps of plain next-token fitting on the target's own greedy continuations, so that the draft
-    accepts tokens (a random draft accepts none). Test scaffolding only; `hf_eagle3.trainer` is the real trainer."""
+    accepts tokens (a random draft accepts none). Test scaffolding only; `hf_eagle3.training.trainer` is the real trainer."""
     torch.manual_seed(seed)
     draft.attach_target_embedding(target.get_input_embeddings())
     draft.set_draft_vocabulary(torch.arange(draft.config.draft_vocab_size))

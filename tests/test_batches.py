@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from hf_eagle3.generation import Eagle3GenerateOutput, eagle3_generate
+from hf_eagle3.decoding.generate import Eagle3GenerateOutput, eagle3_generate
 
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 from test_sampling import SAMPLES, SETTINGS, _chi_square_p_value, _exact_joint
@@ -259,9 +259,9 @@ def test_custom_generate_directory_of_a_draft_repository_equals_assistant_model(
 
 @pytest.mark.slow
 def test_smollm2_batched_greedy_equals_plain_batched_greedy():
-    from hf_eagle3.batch_bench import chat_batch
-    from hf_eagle3.loading import load_draft, prompt_texts
-    from hf_eagle3.smollm2 import load_smollm2
+    from hf_eagle3.commands.bench_batches import chat_batch
+    from hf_eagle3.resources.loading import load_draft, prompt_texts
+    from hf_eagle3.resources.smollm2 import load_smollm2
 
     target, tokenizer = load_smollm2(dtype=torch.float32)
     draft = load_draft("shipped", torch.float32)
@@ -276,7 +276,7 @@ def test_smollm2_batched_greedy_equals_plain_batched_greedy():
 
 
 def test_throughput_counts_each_rows_tokens_up_to_its_end():
-    from hf_eagle3.batch_bench import generated_tokens
+    from hf_eagle3.commands.bench_batches import generated_tokens
 
     sequences = torch.tensor([[7, 7, 1, 2, 3, 4], [0, 7, 1, 9, 0, 0], [0, 7, 9, 0, 0, 0]])  # prompt width 2; EOS 9
     assert generated_tokens(sequences, 2, {9}) == 4 + 2 + 1

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hf_eagle3.bench import (
+from hf_eagle3.commands.bench import (
     acceptance_by_position,
     first_divergence,
     markdown_table,
@@ -94,7 +94,7 @@ def test_auto_method_reports_the_calibrated_choice_or_plain_decoding(llama_targe
     """`auto` where the calibration finds no tree that pays here: reported as plain decoding, τ 1."""
     import copy
 
-    from hf_eagle3.calibration import calibrate
+    from hf_eagle3.decoding.calibration import calibrate
 
     monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))
     draft = copy.deepcopy(fitted_draft)

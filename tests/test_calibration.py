@@ -9,8 +9,8 @@ import torch
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
 from hf_eagle3 import Eagle3Config
-from hf_eagle3.calibration import MIN_PREDICTED_SPEEDUP, calibrate, choose_tree, machine_description
-from hf_eagle3.tree_sizing import acceptance_profile
+from hf_eagle3.decoding.calibration import MIN_PREDICTED_SPEEDUP, calibrate, choose_tree, machine_description
+from hf_eagle3.commands.tune_tree import acceptance_profile
 
 from conftest import fit_draft, tiny_draft
 

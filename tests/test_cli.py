@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import hf_eagle3
-from hf_eagle3.cli import build_parser
+from hf_eagle3.commands.cli import build_parser
 
 COMMANDS = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert", "push"]
 DOCUMENTED = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert"]

@@ -20,7 +20,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
-from hf_eagle3 import Eagle3DraftModel, check_compatibility, cli
+from hf_eagle3 import Eagle3DraftModel, check_compatibility
+from hf_eagle3.commands import cli
 
 from conftest import tiny_draft
 
@@ -1094,7 +1095,7 @@ def test_existing_destination_is_not_overwritten(tmp_path):
 
 @pytest.fixture
 def only_our_commands(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.hub"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.publishing.hub"])
 
 
 def test_ambiguous_source_asks_for_the_format(tmp_path, capsys, only_our_commands):

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hf_eagle3.data import (
+from hf_eagle3.training.data import (
     SkipCounts,
     load_dataset,
     prepare_dataset,

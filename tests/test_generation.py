@@ -238,7 +238,7 @@ def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refuse
 
 
 def test_compiled_verification_is_lossless(fitted_draft):
-    from hf_eagle3.bench import compiled_kwargs
+    from hf_eagle3.commands.bench import compiled_kwargs
 
     target = tiny_target("llama")
     compiled = compiled_kwargs(max_cache_len=64)

@@ -17,11 +17,12 @@ from transformers import AutoModel
 from safetensors.torch import load_file, save_file
 
 from hf_eagle3.conversion import ConversionError, convert
-from hf_eagle3 import Eagle3DraftModel, cli
-from hf_eagle3.bench import methods_from_names, run_benchmark
-from hf_eagle3.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
-from hf_eagle3.trainer import TrainConfig, train
-from hf_eagle3.loading import SHIPPED_DRAFT
+from hf_eagle3 import Eagle3DraftModel
+from hf_eagle3.commands import cli
+from hf_eagle3.commands.bench import methods_from_names, run_benchmark
+from hf_eagle3.publishing.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
+from hf_eagle3.training.trainer import TrainConfig, train
+from hf_eagle3.resources.loading import SHIPPED_DRAFT
 
 from conftest import tiny_draft
 
@@ -241,7 +242,7 @@ def test_push_to_hub_sends_the_checkpoint_and_a_model_card(mocked_hub, saved_dra
 
 @pytest.fixture
 def only_our_commands(monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.hub"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["hf_eagle3.conversion.cli", "hf_eagle3.publishing.hub"])
 
 
 def test_push_command_dry_run_lists_the_upload_prints_the_card_and_sends_nothing(

@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel, check_compatibility
-from hf_eagle3.tree import ancestor_matrix
+from hf_eagle3.decoding.tree import ancestor_matrix
 
 from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
 
@@ -224,7 +224,7 @@ def test_missing_config_fields_are_errors_not_guesses():
 
 
 def test_untested_transformers_versions_are_refused_clearly():
-    from hf_eagle3.compatibility import check_transformers_version
+    from hf_eagle3.decoding.compatibility import check_transformers_version
 
     check_transformers_version("5.24.0")
     for version in ("5.23.0", "5.25.0", "4.57.1"):

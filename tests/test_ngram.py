@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from hf_eagle3.ngram import ContinuationAcceptance, find_continuation, merge_continuation
-from hf_eagle3.tree import build_tree
+from hf_eagle3.decoding.ngram import ContinuationAcceptance, find_continuation, merge_continuation
+from hf_eagle3.decoding.tree import build_tree
 
 
 def test_the_longest_suffix_match_wins_and_its_most_recent_occurrence():

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
 from hf_eagle3 import Eagle3DraftModel
-from hf_eagle3 import trainer as trainer_module
-from hf_eagle3.trainer import (
+from hf_eagle3.training import trainer as trainer_module
+from hf_eagle3.training.trainer import (
     TargetFeatures,
     TrainConfig,
     acceptance_summary,
@@ -28,7 +28,7 @@ from hf_eagle3.trainer import (
     train,
     trainable_state_dict,
 )
-from hf_eagle3.data import Example
+from hf_eagle3.training.data import Example
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +303,7 @@ def test_settings_that_would_silently_ruin_a_run_are_refused_up_front(dataset, t
 
 
 def test_the_cli_reports_a_bad_setting_in_one_sentence(dataset, tmp_path):
-    from hf_eagle3 import cli
+    from hf_eagle3.commands import cli
 
     with pytest.raises(SystemExit, match="hf-eagle3 train: error: Invalid training settings: --max-grad-norm must be"):
         cli.main(["train", "--data", str(dataset), "--output-dir", str(tmp_path), "--max-grad-norm", "-1"])
@@ -407,8 +407,8 @@ TRAIN_AND_DUMP_WEIGHTS = """
 import sys
 from accelerate import PartialState
 from safetensors.torch import save_file
-from hf_eagle3.cli import build_parser
-from hf_eagle3.trainer import trainable_state_dict
+from hf_eagle3.commands.cli import build_parser
+from hf_eagle3.training.trainer import trainable_state_dict
 
 args = build_parser().parse_args(sys.argv[2:])
 draft = args.run(args)

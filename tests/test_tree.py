@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_eagle3.tree import ancestor_matrix, build_tree, expand, select_frontier, tree_attention_mask
+from hf_eagle3.decoding.tree import ancestor_matrix, build_tree, expand, select_frontier, tree_attention_mask
 
 
 def test_expand_keeps_the_best_children_with_cumulative_scores():

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_target
 
-from hf_eagle3.tree import build_tree, tree_attention_mask
-from hf_eagle3.tree_attention import ATTENTION_NAME, TreeKeyLayout, exact_tree_attention
+from hf_eagle3.decoding.tree import build_tree, tree_attention_mask
+from hf_eagle3.decoding.exact_attention import ATTENTION_NAME, TreeKeyLayout, exact_tree_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 HEADS, KV_HEADS, HEAD_DIM, PREFIX = 6, 2, 16, 37

@@ -7,7 +7,7 @@ from conftest import HIDDEN, VOCAB, tiny_draft
 
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_eagle3.ttt import TrainingTimeTest, shift_left, ttt_attention
+from hf_eagle3.training.ttt import TrainingTimeTest, shift_left, ttt_attention
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 12, 4, 2, 8
 

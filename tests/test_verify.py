@@ -2,8 +2,8 @@
 
 import torch
 
-from hf_eagle3.tree import ancestor_matrix, DraftTree
-from hf_eagle3.verify import accept_among_children, accept_sampled, children, greedy_accept
+from hf_eagle3.decoding.tree import ancestor_matrix, DraftTree
+from hf_eagle3.decoding.verify import accept_among_children, accept_sampled, children, greedy_accept
 
 
 def _tree(tokens, parents, depths):

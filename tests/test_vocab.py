@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hf_eagle3.data import Example
-from hf_eagle3.vocab import coverage, draft_vocabulary_for_run, select_draft_vocabulary
+from hf_eagle3.training.data import Example
+from hf_eagle3.training.vocab import coverage, draft_vocabulary_for_run, select_draft_vocabulary
 
 
 def example(input_ids, loss_mask):

@@ -11,14 +11,14 @@ import os
 
 # Modules that define `register_cli(subparsers)`; each adds one sub-command whose handler is `args.run(args)`.
 COMMAND_MODULES = [
-    "hf_eagle3.demo",
-    "hf_eagle3.bench",
-    "hf_eagle3.batch_bench",
-    "hf_eagle3.tree_sizing",
+    "hf_eagle3.commands.demo",
+    "hf_eagle3.commands.bench",
+    "hf_eagle3.commands.bench_batches",
+    "hf_eagle3.commands.tune_tree",
     "hf_eagle3.conversion.cli",
-    "hf_eagle3.hub",
-    "hf_eagle3.data",
-    "hf_eagle3.trainer",
+    "hf_eagle3.publishing.hub",
+    "hf_eagle3.training.data",
+    "hf_eagle3.training.trainer",
 ]
 
 
@@ -42,7 +42,7 @@ def version() -> str:
     import torch
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     return f"hf-eagle3 {__version__} (transformers {transformers.__version__}, torch {torch.__version__})"
 

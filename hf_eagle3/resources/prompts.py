@@ -5,7 +5,7 @@ import gzip
 import json
 from pathlib import Path
 
-MT_BENCH_FILE = Path(__file__).parent / "assets" / "mt_bench" / "question.jsonl"
+MT_BENCH_FILE = Path(__file__).parents[1] / "assets" / "mt_bench" / "question.jsonl"
 
 
 def mt_bench_questions() -> list[dict]:

@@ -47,10 +47,10 @@ from transformers.utils import logging
 from .calibration import choose_tree
 from .compatibility import adopt_target_layers, check_compatibility, record_target_special_tokens
 from .drafter import DraftProposal, Eagle3Drafter, TreeSettings, max_candidates
-from .modeling_eagle3 import Eagle3DraftModel
+from ..modeling_eagle3 import Eagle3DraftModel
 from .ngram import ContinuationAcceptance, find_continuation
 from .tree import DraftTree, tree_attention_mask
-from .tree_attention import exact_tree_attention
+from .exact_attention import exact_tree_attention
 from .verify import accept_among_children, accept_in_turn, children, greedy_accept
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
@@ -819,7 +819,7 @@ def install() -> None:
         raise ImportError(
             f"This transformers' GenerationMixin.generate has no {', '.join(sorted(missing))} parameter, which "
             "hf_eagle3 routes EAGLE-3 decoding through: install a tested transformers version "
-            "(hf_eagle3.compatibility.TESTED_TRANSFORMERS)."
+            "(hf_eagle3.decoding.compatibility.TESTED_TRANSFORMERS)."
         )
     hooked = _wrap_generate(original)
     hooked._hf_eagle3_hook = True

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from .calibration import TreeChoice, choose_tree, machine_description
-from .loading import DTYPES, load_draft, load_target
-from .prompts import chat_input_ids
+from ..decoding.calibration import TreeChoice, choose_tree, machine_description
+from ..resources.loading import DTYPES, load_draft, load_target
+from ..resources.prompts import chat_input_ids
 
 DEFAULT_PROMPTS = (
     "Explain in a few sentences why the sky is blue.",

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .calibration import MIN_PREDICTED_SPEEDUP, MachineCosts, ShapePrediction, measure_costs, predict
-from .drafter import max_candidates
-from .loading import add_model_arguments, load_models, load_prompt_set, save_draft, stored_dtype
-from .modeling_eagle3 import Eagle3DraftModel
+from ..decoding.calibration import MIN_PREDICTED_SPEEDUP, MachineCosts, ShapePrediction, measure_costs, predict
+from ..decoding.drafter import max_candidates
+from ..resources.loading import add_model_arguments, load_models, load_prompt_set, save_draft, stored_dtype
+from ..modeling_eagle3 import Eagle3DraftModel
 
 # The shapes an acceptance profile covers by default (`tune-tree`, and the trainer's final draft)
 PROFILE_TOP_KS, PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS = (1, 2, 4, 8), 4, 32, 96

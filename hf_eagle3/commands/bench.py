@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from transformers import CompileConfig
 
-from .calibration import machine_description, verification_cost
-from .loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
-from .modeling_eagle3 import Eagle3DraftModel
+from ..decoding.calibration import machine_description, verification_cost
+from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
+from ..modeling_eagle3 import Eagle3DraftModel
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .modeling_eagle3 import Eagle3DraftModel
+from ..modeling_eagle3 import Eagle3DraftModel
 from .ngram import merge_continuation
 from .tree import DraftTree, build_tree, expand, select_frontier
 

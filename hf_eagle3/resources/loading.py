@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .modeling_eagle3 import Eagle3DraftModel
+from ..modeling_eagle3 import Eagle3DraftModel
 from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
 
-SHIPPED_DRAFT = Path(__file__).parent / "assets" / "smollm2-eagle3"
+SHIPPED_DRAFT = Path(__file__).parents[1] / "assets" / "smollm2-eagle3"
 PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval", "calibration")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

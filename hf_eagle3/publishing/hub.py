@@ -27,12 +27,12 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, Mo
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .conversion import ConversionError, DraftCheckpoint, read_checkpoint
-from .conversion.fields import dtype_name
-from .conversion.files import read_json
+from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint
+from ..conversion.fields import dtype_name
+from ..conversion.files import read_json
 
-from .bench import settings_description
-from .modeling_eagle3 import Eagle3DraftModel
+from ..commands.bench import settings_description
+from ..modeling_eagle3 import Eagle3DraftModel
 
 CARD_TEMPLATE = importlib.resources.files("hf_eagle3.model_cards") / "eagle3_draft.md"
 # The shipped draft's card (hf_eagle3/assets/smollm2-eagle3/README.md) carries the same library name and tags.

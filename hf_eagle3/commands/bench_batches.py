@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .calibration import machine_description
-from .loading import add_model_arguments, load_models, prompt_texts
+from ..decoding.calibration import machine_description
+from ..resources.loading import add_model_arguments, load_models, prompt_texts
 
 PAD_AFTER_STOP = "tokens after a row's end (padding) are not counted"
 

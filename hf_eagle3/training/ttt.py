@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .modeling_eagle3 import Eagle3DraftModel
+from ..modeling_eagle3 import Eagle3DraftModel
 
 
 def shift_left(tensor: torch.Tensor, fill: float | int = 0) -> torch.Tensor:

@@ -5,10 +5,10 @@ from packaging.version import Version
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .configuration_eagle3 import Eagle3Config, default_target_layer_ids
+from ..configuration_eagle3 import Eagle3Config, default_target_layer_ids
 
 logger = logging.get_logger(__name__)
-# `hf_eagle3.generation` replaces private generation methods whose signatures change between releases.
+# `hf_eagle3.decoding.generate` replaces private generation methods whose signatures change between releases.
 TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

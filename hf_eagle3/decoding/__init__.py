@@ -1,0 +1,3 @@
+"""EAGLE-3 decoding inside `generate`: the loop (`generate`), its parts (`drafter`, `tree`, `verify`, `ngram`,
+`exact_attention`), the tree shape chosen per machine (`calibration`), and what makes a draft usable with a target
+(`compatibility`, `pipelines`)."""

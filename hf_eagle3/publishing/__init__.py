@@ -1,0 +1,1 @@
+"""Publishing a draft: a Hub repository with its model card (`hub`)."""
