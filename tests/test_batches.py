@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from hf_eagle3.decoding.generate import Eagle3GenerateOutput, eagle3_generate
+from hf_eagle3.generation import Eagle3GenerateOutput, eagle3_generate
 
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 from test_sampling import SAMPLES, SETTINGS, _chi_square_p_value, _exact_joint

@@ -5,7 +5,7 @@
     target.generate(**inputs, custom_generate=repo, trust_remote_code=True, assistant_model=draft)
 
 transformers hands this `generate` every argument of the `generate` call; it runs hf_eagle3's decoding loop
-(`hf_eagle3.decoding.generate.eagle3_generate`) with the draft passed as `assistant_model` and the call's tree settings
+(`hf_eagle3.generation.eagle3_generate`) with the draft passed as `assistant_model` and the call's tree settings
 (`tree_depth`, `tree_top_k`, `tree_total_tokens`, `tree_shape`, `ngram_candidates`, `exact_attention`). The loop is
 hf_eagle3's, not a copy: `requirements.txt` names the package, and transformers refuses to run this file without it.
 """
@@ -15,7 +15,7 @@ from transformers import GenerationMixin
 
 def generate(model, assistant_model=None, streamer=None, **generate_arguments):
     try:  # inside `try`: transformers' import check of remote code leaves it to requirements.txt
-        from hf_eagle3.decoding.generate import eagle3_generate
+        from hf_eagle3.generation import eagle3_generate
     except ImportError as error:
         raise ImportError("EAGLE-3 decoding needs hf-eagle3: pip install hf-eagle3.") from error
     if assistant_model is None:
