@@ -6,8 +6,8 @@ import tempfile
 from pathlib import Path
 
 from huggingface_hub import snapshot_download
-from safetensors import SafetensorError
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+from safetensors import SafetensorError
 
 from . import hub, modelopt, official, sglang, speculators
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo

@@ -12,7 +12,6 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import Llama4TextConfig, LlamaConfig, PreTrainedConfig, Qwen3Config
 
 from ..configuration_eagle3 import Eagle3Config
-
 from .checkpoint import ConversionError, ReadOptions
 
 # Llama config fields of the draft's decoder layer that `Eagle3Config` holds under the same name.

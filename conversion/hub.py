@@ -4,7 +4,6 @@
 from pathlib import Path
 
 from ..configuration_eagle3 import Eagle3Config
-
 from .checkpoint import CheckpointFormat, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo, meta_model
 
 

@@ -9,11 +9,11 @@ Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Au
 
 from transformers import AutoConfig, AutoModel
 
-from .decoding.compatibility import check_compatibility, check_transformers_version
 from .configuration_eagle3 import Eagle3Config
+from .decoding.compatibility import check_compatibility, check_transformers_version
 from .decoding.generate import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
-from .modeling_eagle3 import Eagle3DraftModel
 from .decoding.pipelines import install as install_pipeline_support
+from .modeling_eagle3 import Eagle3DraftModel
 
 check_transformers_version()
 

@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
+from test_sampling import SAMPLES, SETTINGS, _chi_square_p_value, _exact_joint, draft, target  # noqa: F401  (fixtures)
+from test_sampling import VOCAB as SAMPLING_VOCAB
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from hf_eagle3.generation import Eagle3GenerateOutput, eagle3_generate
-
-from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
-from test_sampling import SAMPLES, SETTINGS, _chi_square_p_value, _exact_joint
-from test_sampling import VOCAB as SAMPLING_VOCAB
-from test_sampling import draft, target  # noqa: F401  (fixtures)
 
 PAD = 0
 LENGTHS = (3, 9, 17, 5, 12, 1, 7, 14)  # prompt lengths of rows 0..7

@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
+from conftest import fit_draft, tiny_draft
 from huggingface_hub.errors import StrictDataclassClassValidationError
 
 from hf_eagle3 import Eagle3Config
 from hf_eagle3.decoding.calibration import MIN_PREDICTED_SPEEDUP, calibrate, choose_tree, machine_description
-from hf_eagle3.commands.tune_tree import acceptance_profile
-
-from conftest import fit_draft, tiny_draft
+from hf_eagle3.training.profile import acceptance_profile
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 61, 8]])
 

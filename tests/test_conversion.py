@@ -14,16 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_draft
+from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file, save_file
 from torch import nn
-
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from hf_eagle3 import Eagle3DraftModel, check_compatibility
 from hf_eagle3.commands import cli
-
-from conftest import tiny_draft
 
 VOCAB = 160  # target vocabulary V
 DRAFT_VOCAB = 48  # reduced draft vocabulary Vd

@@ -3,12 +3,11 @@
 
 import pytest
 import torch
+from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 from transformers import AutoModel, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from hf_eagle3 import Eagle3DraftModel
-
-from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
 TREE = dict(tree_depth=4, tree_top_k=3, tree_total_tokens=12)

@@ -12,19 +12,18 @@ from unittest import mock
 import huggingface_hub
 import pytest
 import torch
-from huggingface_hub import HfApi, ModelCard
-from transformers import AutoModel
-from safetensors.torch import load_file, save_file
-
+from conftest import tiny_draft
 from hf_eagle3.conversion import ConversionError, convert
+from huggingface_hub import HfApi, ModelCard
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel
+
 from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.commands import cli
 from hf_eagle3.commands.bench import methods_from_names, run_benchmark
 from hf_eagle3.publishing.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
-from hf_eagle3.training.trainer import TrainConfig, train
 from hf_eagle3.resources.loading import SHIPPED_DRAFT
-
-from conftest import tiny_draft
+from hf_eagle3.training.trainer import TrainConfig, train
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAVED_FILES = {"config.json", "model.safetensors", "modeling_eagle3.py", "configuration_eagle3.py"}

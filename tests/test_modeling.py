@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
@@ -12,8 +13,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel, check_compatibility
 from hf_eagle3.decoding.tree import ancestor_matrix
-
-from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
 
 
 def test_config_defaults_follow_the_official_conventions():

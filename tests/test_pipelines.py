@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import VOCAB, fit_draft, tiny_draft, tiny_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, pipeline
 
 from hf_eagle3 import Eagle3DraftModel
-
-from conftest import VOCAB, fit_draft, tiny_draft, tiny_target
 
 PROMPT = "w5 w17 w9 w33"
 GREEDY = dict(max_new_tokens=24, do_sample=False)

@@ -11,9 +11,8 @@ and accepted (in about one call of five).
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
 from conftest import fit_draft, tiny_draft, tiny_target
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 VOCAB = 32
 SAMPLES = 1200

@@ -18,6 +18,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.training import trainer as trainer_module
+from hf_eagle3.training.data import Example
 from hf_eagle3.training.trainer import (
     TargetFeatures,
     TrainConfig,
@@ -28,7 +29,6 @@ from hf_eagle3.training.trainer import (
     train,
     trainable_state_dict,
 )
-from hf_eagle3.training.data import Example
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_target
-
-from hf_eagle3.decoding.tree import build_tree, tree_attention_mask
-from hf_eagle3.decoding.exact_attention import ATTENTION_NAME, TreeKeyLayout, exact_tree_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hf_eagle3.decoding.exact_attention import ATTENTION_NAME, TreeKeyLayout, exact_tree_attention
+from hf_eagle3.decoding.tree import build_tree, tree_attention_mask
 
 HEADS, KV_HEADS, HEAD_DIM, PREFIX = 6, 2, 16, 37
 

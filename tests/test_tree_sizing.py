@@ -9,12 +9,13 @@ from conftest import VOCAB, tiny_draft
 from safetensors import safe_open
 
 from hf_eagle3 import Eagle3DraftModel
-from hf_eagle3.decoding.drafter import TreeSettings
-from hf_eagle3.resources.loading import stored_dtype
-from hf_eagle3.decoding.tree import build_tree, expand, select_frontier
+from hf_eagle3.commands.tune_tree import save_tuned_draft, tune_tree
 from hf_eagle3.decoding.calibration import drafting_cost, verification_cost
-from hf_eagle3.commands.tune_tree import accepted_in_smaller_trees, acceptance_profile, save_tuned_draft, tune_tree
+from hf_eagle3.decoding.drafter import TreeSettings
+from hf_eagle3.decoding.tree import build_tree, expand, select_frontier
 from hf_eagle3.decoding.verify import greedy_accept
+from hf_eagle3.resources.loading import stored_dtype
+from hf_eagle3.training.profile import acceptance_profile, accepted_in_smaller_trees
 
 
 def _random_candidates(top_k: int, max_depth: int, vocab: int):

@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import HIDDEN, VOCAB, tiny_draft
-
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_eagle3.training.ttt import TrainingTimeTest, shift_left, ttt_attention

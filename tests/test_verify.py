@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_eagle3.decoding.tree import ancestor_matrix, DraftTree
+from hf_eagle3.decoding.tree import DraftTree, ancestor_matrix
 from hf_eagle3.decoding.verify import accept_among_children, accept_sampled, children, greedy_accept
 
 

@@ -31,8 +31,9 @@ import torch
 from transformers import CompileConfig
 
 from ..decoding.calibration import machine_description, verification_cost
-from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..publishing.results import settings_description
+from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
@@ -355,25 +356,6 @@ def _method_label(name: str, shapes: list[str]) -> str:
     """`tree (2x8x12)`, `auto (plain)`; a name that already spells its shape (`tree:3x4x10`) stays as it is."""
     shape = ", ".join(shapes)
     return f"{name} ({shape})" if shape and shape not in name else name
-
-
-def settings_description(settings: dict) -> str:
-    """What a benchmark ran with, from `bench.json`'s `settings`: machine, dtype, threads, decoding, lengths and
-    repetitions (what is not recorded is left out)."""
-    def count(number: int, noun: str) -> str:
-        return f"{number} {noun}{'' if number == 1 else 's'}"
-
-    decoding = "greedy" if not settings.get("temperature") else f"sampling at temperature {settings['temperature']}"
-    parts = [
-        settings.get("machine"),
-        settings.get("dtype"),
-        count(settings["torch_threads"], "torch thread") if settings.get("torch_threads") else None,
-        decoding,
-        f"{settings['max_new_tokens']} new tokens" if settings.get("max_new_tokens") else None,
-        f"the first {count(settings['limit'], 'prompt')} of each set" if settings.get("limit") else None,
-        f"median of {settings['repetitions']} interleaved repetitions" if settings.get("repetitions") else None,
-    ]
-    return ", ".join(part for part in parts if part)
 
 
 def verification_cost_report(target, token_counts: list[int], layer_ids: list[int], output_dir: Path) -> str:

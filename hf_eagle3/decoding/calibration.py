@@ -33,10 +33,10 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from .drafter import Eagle3Drafter, TreeSettings
-from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
 from ..modeling_eagle3 import Eagle3DraftModel
-from ..resources.smollm2 import cache_dir
+from ..utils.cache import cache_dir
+from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
+from .drafter import Eagle3Drafter, TreeSettings
 from .tree import tree_attention_mask
 
 # A shape must be predicted this much faster than plain decoding to be used: predictions are within about 10 % of

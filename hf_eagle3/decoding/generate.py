@@ -40,17 +40,17 @@ import torch
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache, StaticLayer
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
+from ..modeling_eagle3 import Eagle3DraftModel
 from .calibration import choose_tree
 from .compatibility import adopt_target_layers, check_compatibility, record_target_special_tokens
 from .drafter import DraftProposal, Eagle3Drafter, TreeSettings, max_candidates
-from ..modeling_eagle3 import Eagle3DraftModel
+from .exact_attention import exact_tree_attention
 from .ngram import ContinuationAcceptance, find_continuation
 from .tree import DraftTree, tree_attention_mask
-from .exact_attention import exact_tree_attention
 from .verify import accept_among_children, accept_in_turn, children, greedy_accept
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")

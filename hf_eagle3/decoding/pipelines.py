@@ -16,9 +16,9 @@ import os
 from transformers import AutoConfig
 from transformers.pipelines import base
 
-from .compatibility import check_compatibility, record_target_special_tokens
 from ..configuration_eagle3 import Eagle3Config
 from ..modeling_eagle3 import Eagle3DraftModel
+from .compatibility import check_compatibility, record_target_special_tokens
 
 
 def _wrap_load_assistant_model(original):

@@ -15,11 +15,9 @@ drafted position, per prompt set and method, with the machine and settings it ra
 
 import argparse
 import importlib.resources
-import json
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +28,14 @@ from huggingface_hub.utils import validate_repo_id
 from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint
 from ..conversion.fields import dtype_name
 from ..conversion.files import read_json
-
-from ..commands.bench import settings_description
 from ..modeling_eagle3 import Eagle3DraftModel
+from .results import Results, load_results
 
 CARD_TEMPLATE = importlib.resources.files("hf_eagle3.model_cards") / "eagle3_draft.md"
 # The shipped draft's card (hf_eagle3/assets/smollm2-eagle3/README.md) carries the same library name and tags.
 LIBRARY_NAME = "transformers"  # the draft loads with AutoModel (trust_remote_code where hf-eagle3 is not installed)
 CARD_TAGS = ["eagle3", "speculative-decoding", "draft-model", "hf-eagle3"]
 RESULTS_FILE = "eagle3_results.json"
-
-
-@dataclass(frozen=True)
-class Results:
-    """Measured results for a card: table rows with the same keys, and how they were measured (`None`: unknown)."""
-
-    rows: list[dict[str, Any]]
-    setup: str | None = None
 
 
 def draft_model_card(
@@ -201,45 +190,6 @@ def push_draft(
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder, max_shard_size=max_shard_size)
         return push_folder(folder, repo_id, **push_kwargs)
-
-
-def load_results(path: str | Path) -> Results:
-    """Read a results file: `hf-eagle3 bench`'s `bench.json`, or a JSON list of rows with the same keys."""
-    try:
-        content = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"Cannot read the results file {path}: {error}") from error
-    if isinstance(content, dict) and isinstance(content.get("summary"), dict) and content["summary"]:
-        return _bench_results(content)
-    if not (isinstance(content, list) and content and all(isinstance(row, dict) for row in content)):
-        raise ValueError(
-            f"{path} must be the bench.json `hf-eagle3 bench` writes or a non-empty JSON list of objects (one per "
-            "measured setting)."
-        )
-    return Results(content)
-
-
-def _bench_results(bench: dict[str, Any]) -> Results:
-    """One row per prompt set and method of a `bench.json`: speedup, tokens/s, τ and n-α for every drafted
-    position measured; the setup names the machine, dtype, threads, decoding and sizes it ran with."""
-    summary = bench["summary"]
-    positions = max((len(entry.get("n_alpha") or []) for methods in summary.values() for entry in methods.values()),
-                    default=0)
-    rows = []
-    for set_name, methods in summary.items():
-        for method, entry in methods.items():
-            alphas = list(entry.get("n_alpha") or []) + [None] * positions
-            rows.append({
-                "prompts": set_name,
-                "method": method,
-                "tree (DxKxN)": ", ".join(entry.get("shapes", [])) or "-",
-                "speedup": f"{entry['speedup']:.2f}x",
-                "tokens/s": f"{entry['tokens_per_second']:.1f}",
-                "τ": f"{entry['tau']:.2f}" if "tau" in entry else "-",
-                **{f"{n}-α": "-" if alphas[n] is None else f"{alphas[n]:.2f}" for n in range(positions)},
-            })
-    settings = bench.get("settings")
-    return Results(rows, settings_description(settings) if settings else None)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:

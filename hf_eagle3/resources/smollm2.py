@@ -6,19 +6,15 @@ loads read that cache in about a second. Nothing touches the network.
 """
 
 import importlib.util
-import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from ..utils.cache import cache_dir
+
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_eagle3"
-    return Path(os.environ.get("HF_EAGLE3_CACHE", default))
 
 
 def _gguf_dir() -> Path:

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..utils.fingerprint import file_digest, model_fingerprint, tokenizer_fingerprint
 from ..resources.loading import load_target
+from ..utils.fingerprint import file_digest, model_fingerprint, tokenizer_fingerprint
 
 SHAREGPT_ALIAS = "sharegpt"
 ROLE_ALIASES = {

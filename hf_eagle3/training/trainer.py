@@ -50,14 +50,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
-from ..decoding.compatibility import adopt_target_layers, check_compatibility, model_name, record_target_special_tokens
 from ..configuration_eagle3 import Eagle3Config
-from .data import MANIFEST, Example, load_dataset
-from ..utils.fingerprint import digest, model_fingerprint
-from ..resources.loading import load_target_model, save_draft
+from ..decoding.compatibility import adopt_target_layers, check_compatibility, model_name, record_target_special_tokens
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..resources.loading import load_target_model, save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
-from ..commands.tune_tree import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
+from ..utils.fingerprint import digest, model_fingerprint
+from .data import MANIFEST, Example, load_dataset
+from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest
 from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary, save_draft_vocabulary
 
