@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -58,20 +59,26 @@ def saved_draft(tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def python_without_hf_eagle3(tmp_path_factory) -> Path:
     """The interpreter of a fresh virtualenv that has this environment's packages (torch, transformers, ...) but not
-    hf-eagle3, as on a machine where it was never installed.
+    hf-eagle3, as on a machine where it was never installed: neither importable nor known to `importlib.metadata`
+    (transformers checks a `requirements.txt` against the installed distributions).
 
-    `venv --without-pip` (a second), whose site-packages holds one `.pth` line naming this environment's
-    site-packages. A `.pth` line only puts that directory on `sys.path`: the `.pth` files inside it are not run, and
-    hf-eagle3 is installed there (editable) by one of them, so it is not importable; nor is the repository, since
+    `venv --without-pip` (a second), whose site-packages holds one `.pth` line naming a folder of links to every entry
+    of this environment's site-packages but hf-eagle3's (its `.dist-info` and editable-install finder). A `.pth` line
+    only puts that folder on `sys.path`: the `.pth` files inside it are not run; nor is the repository on it, since
     the scripts run elsewhere."""
-    venv = tmp_path_factory.mktemp("venv-without-hf-eagle3")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
+    root = tmp_path_factory.mktemp("venv-without-hf-eagle3")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
+    python = root / "venv" / "bin" / "python"
+    packages = root / "packages"
+    packages.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(("hf_eagle3", "__editable__")):
+            (packages / entry.name).symlink_to(entry)
     site_packages = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    (Path(site_packages) / "packages-of-the-test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (Path(site_packages) / "packages-of-the-test-environment.pth").write_text(f"{packages}\n")
     return python
 
 
@@ -85,15 +92,18 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
             "AutoConfig": "configuration_eagle3.Eagle3Config",
             "AutoModel": "modeling_eagle3.Eagle3DraftModel",
         }
+    shipped = tmp_path / "smollm2-eagle3"  # as downloaded from the Hub: custom_generate/ included
+    shutil.copytree(SHIPPED_DRAFT, shipped)
     output = run_python(
         f"""
-        import importlib.util
+        import importlib.metadata, importlib.util
         assert importlib.util.find_spec("hf_eagle3") is None  # not installed here
+        assert not any(d.metadata["Name"] == "hf-eagle3" for d in importlib.metadata.distributions())
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModel
 
-        for folder in ({str(saved_draft)!r}, {str(SHIPPED_DRAFT)!r}):
+        for folder in ({str(saved_draft)!r}, {str(shipped)!r}):
             draft = AutoModel.from_pretrained(folder, trust_remote_code=True)
             state = draft.state_dict()
             assert all(torch.equal(state[name], tensor) for name, tensor in load_file(folder + "/model.safetensors").items())
@@ -129,7 +139,33 @@ def test_generate_with_a_draft_where_hf_eagle3_is_not_installed_says_to_install_
         python=python_without_hf_eagle3,
         HF_HOME=str(tmp_path / "hf_home"),
     )
-    assert "needs hf-eagle3: `pip install hf-eagle3`, then `import hf_eagle3`" in output
+    assert "needs hf-eagle3 (no package index serves it: `pip install ./hf-eagle3` in a clone" in output
+
+
+def test_the_shipped_custom_generate_where_hf_eagle3_is_not_installed_says_how_to_install_it(
+    tmp_path, python_without_hf_eagle3
+):
+    shipped = tmp_path / "smollm2-eagle3"
+    shutil.copytree(SHIPPED_DRAFT, shipped)
+    output = run_python(
+        f"""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                              num_attention_heads=4, num_key_value_heads=2))
+        try:
+            target.generate(torch.tensor([[3, 5, 7]]), custom_generate={str(shipped)!r}, trust_remote_code=True,
+                            max_new_tokens=5)
+        except ImportError as error:
+            print(error)
+        """,
+        cwd=tmp_path,
+        python=python_without_hf_eagle3,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert "EAGLE-3 decoding needs hf-eagle3, which no package index serves" in output
+    assert "`pip install ./hf-eagle3`" in output
 
 
 def test_with_hf_eagle3_imported_trust_remote_code_loads_its_class_and_one_loaded_before_is_named(
