@@ -55,7 +55,7 @@ from ..decoding.compatibility import adopt_target_layers, check_compatibility, m
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import load_target_model, save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
-from ..utils.fingerprint import digest, model_fingerprint
+from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
 from .data import MANIFEST, Example, load_dataset
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest
@@ -299,6 +299,7 @@ def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
         target_num_hidden_layers=config.num_hidden_layers,
         target_model_type=config.model_type,
         target_name_or_path=SMOLLM2_NAME if run.target == "smollm2" else run.target,
+        target_fingerprint=weights_fingerprint(target),
         fc_norm=run.fc_norm,
         norm_before_residual=run.norm_before_residual,
     )
