@@ -586,8 +586,9 @@ def _additive_mask(
         key_positions = torch.arange(past_length + query_length, device=like.device)
         query_positions = torch.arange(past_length, past_length + query_length, device=like.device)
         attention_mask = (key_positions[None, :] <= query_positions[:, None])[None, None]
-    if attention_mask.dtype == torch.bool:
-        return torch.where(attention_mask, 0.0, torch.finfo(like.dtype).min).to(like.dtype)
+    if attention_mask.dtype == torch.bool:  # built in `like`'s dtype: a float32 minimum would not hold float64's
+        return torch.zeros(attention_mask.shape, dtype=like.dtype, device=like.device).masked_fill(
+            ~attention_mask, torch.finfo(like.dtype).min)
     return attention_mask.to(like.dtype)
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import hf_eagle3
-from hf_eagle3.commands.cli import build_parser
+from hf_eagle3.commands.cli import build_parser, main
 
 COMMANDS = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert", "push"]
 DOCUMENTED = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert"]
@@ -71,3 +71,46 @@ def test_prepare_data_limit_says_what_it_does(capsys):
         build_parser().parse_args(["prepare-data", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "Keep the first N usable conversations, those left after every filter" in help_text
+
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    """A tiny Llama model with a tokenizer, saved as a user's local target folder."""
+    from conftest import VOCAB, tiny_target
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_target().save_pretrained(tmp_path / "llama")
+    backend = Tokenizer(models.BPE({chr(32 + i): i for i in range(VOCAB)}, merges=[]))
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=" ").save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def _error(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return str(exit_info.value)
+
+
+def test_a_draft_folder_that_does_not_exist_is_named_as_missing(llama_folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    error = _error(["tune-tree", "--target", str(llama_folder), "--draft", "./no-such-draft"])
+    assert f"No draft at ./no-such-draft: the folder {tmp_path / 'no-such-draft'} does not exist" in error
+    assert "Repo id" not in error
+    error = _error(["tune-tree", "--target", "./no-such-target"])
+    assert f"No target at ./no-such-target: the folder {tmp_path / 'no-such-target'} does not exist" in error
+
+
+def test_a_language_model_passed_as_draft_names_the_real_fix(llama_folder):
+    error = _error(["tune-tree", "--target", str(llama_folder), "--draft", str(llama_folder)])
+    assert "is not an EAGLE-3 draft hf-eagle3 recognises" in error and "--target, not --draft" in error
+    assert f"`hf-eagle3 convert {llama_folder} NEW_FOLDER --from FORMAT`" in error and "Pass --from" not in error
+
+
+def test_train_on_a_data_directory_that_does_not_exist_or_was_not_prepared_says_so(tmp_path):
+    error = _error(["train", "--data", str(tmp_path / "no-such-dir"), "--output-dir", str(tmp_path / "run")])
+    assert f"--data {tmp_path / 'no-such-dir'}: the directory {tmp_path / 'no-such-dir'} does not exist" in error
+    assert "does not record the target" not in error
+    (tmp_path / "notes").mkdir()
+    error = _error(["train", "--data", str(tmp_path / "notes"), "--output-dir", str(tmp_path / "run")])
+    assert "holds no shard-*.jsonl: it is not an output of `hf-eagle3 prepare-data`" in error

@@ -1,6 +1,8 @@
 """EAGLE-3 through `target.generate(assistant_model=draft)` on tiny random targets: lossless greedy decoding,
 `generate`'s behaviour (stopping, streaming, outputs, PEFT), statistics and clear errors."""
 
+import copy
+
 import pytest
 import torch
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
@@ -460,3 +462,10 @@ def test_the_config_switches_context_ngram_candidates_and_a_call_overrides_it(ll
         assert fitted_draft.generation_stats.continuation_tokens == 0
     finally:
         fitted_draft.config.ngram_candidates = default  # the session's shared draft, as the next tests expect it
+
+
+def test_float64_target_and_draft_decode_as_plain_greedy(llama_target, fitted_draft):
+    target, draft = copy.deepcopy(llama_target).double(), copy.deepcopy(fitted_draft).double()
+    for shape in (TREE, CHAIN):
+        expected = target.generate(PROMPTS[1], max_new_tokens=20, do_sample=False)
+        assert torch.equal(_eagle(target, draft, PROMPTS[1], max_new_tokens=20, tree_shape="fixed", **shape), expected)

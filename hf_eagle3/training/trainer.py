@@ -585,11 +585,25 @@ def _same_target(first: str, second: str) -> bool:
         SMOLLM2_NAME if second == "smollm2" else second)
 
 
+def check_prepared_data(directory: str | Path, option: str = "--data") -> None:
+    """Refuse a data directory that does not exist or holds no `prepare-data` output, before anything loads."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{option} {directory}: the directory {path.absolute()} does not exist. Pass the "
+                                "--output directory of `hf-eagle3 prepare-data`.")
+    if not any(path.glob("shard-*.jsonl")):
+        raise FileNotFoundError(f"{option} {directory} holds no shard-*.jsonl: it is not an output of `hf-eagle3 "
+                                f"prepare-data`. Prepare it first (`hf-eagle3 prepare-data --output {directory} ...`).")
+
+
 def resolve_target(config: TrainConfig, target: PreTrainedModel | None = None, run_target: str | None = None) -> str:
     """The run's target: `--target`, else the one the data's `manifest.json` records (`prepare-data --target`), else
     `run_target` (a resumed run's own), else the name of the `target` model given to `train`. A `--target` other
     than the data's, or data and held-out data prepared for different targets, is refused naming both."""
     recorded = {}
+    for directory, option in ((config.data, "--data"), (config.eval_data, "--eval-data")):
+        if directory is not None:
+            check_prepared_data(directory, option)
     for directory in filter(None, (config.data, config.eval_data)):
         manifest = Path(directory) / MANIFEST
         name = json.loads(manifest.read_text())["settings"].get("target_name_or_path") if manifest.is_file() else None
