@@ -214,7 +214,7 @@ def test_bench_md_says_what_each_column_means_and_how_speedup_differs_from_token
 
 def test_plot_shares_the_speedup_scale_and_marks_the_cycles_only_an_ngram_branch_explains():
     figure = plot_summary(SUMMARY)
-    (speed_a, _, lengths_a), (speed_b, _, lengths_b) = figure.axes[:3], figure.axes[3:6]
+    (speed_a, _, lengths_a), (speed_b, _, _) = figure.axes[:3], figure.axes[3:6]
     assert speed_a.get_ylim() == speed_b.get_ylim() and speed_a.get_ylim()[1] > 2.4
     assert not [text for text in speed_a.texts if text.get_text() == "plain"]  # the line is named in the legend
     assert [text.get_text() for text in speed_a.get_legend().get_texts()] == ["plain generate (1x)"]
