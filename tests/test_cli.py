@@ -11,8 +11,8 @@ import pytest
 import hf_eagle3
 from hf_eagle3.commands.cli import build_parser, main
 
-COMMANDS = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert", "push"]
-DOCUMENTED = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert"]
+COMMANDS = ["demo", "bench", "bench-batches", "tune-tree", "prepare-data", "train", "convert", "push"]
+DOCUMENTED = COMMANDS
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -40,6 +40,11 @@ def test_every_option_says_what_it_does_and_shows_its_default(command):
         assert action.help, f"{command} {action.option_strings or action.dest} has no help text"
         if action.default not in (None, False) and not action.required:
             assert "(default: " in formatter._expand_help(action), f"{command} {action.option_strings} hides its default"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_describes_itself(command):
+    assert subcommand(command).description, f"`hf-eagle3 {command} --help` has no description"
 
 
 def test_defaults_read_as_they_are_typed(capsys):

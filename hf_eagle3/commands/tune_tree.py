@@ -111,7 +111,11 @@ def save_tuned_draft(draft: Eagle3DraftModel, profile: list[dict], predictions: 
 
 
 def register_cli(subparsers) -> None:
-    parser = subparsers.add_parser("tune-tree", help="Choose the tree shape that decodes fastest on this machine.")
+    parser = subparsers.add_parser(
+        "tune-tree", help="Choose the tree shape that decodes fastest on this machine.",
+        description="Measure the draft's acceptance (τ) of every tree shape on calibration prompts and this machine's "
+                    "draft and verification costs, print the shapes predicted fastest, and optionally save the draft "
+                    "with its acceptance profile and tree_shape='auto' (--save-to).")
     add_model_arguments(parser)
     parser.add_argument("--prompts", nargs="+", default=["calibration"],
                         help="prompt sets (see bench); 'calibration' is none of the benchmark's first prompts")

@@ -296,7 +296,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--private", action="store_true", default=None, help="create the repo as private")
     parser.add_argument("--revision", help="branch to push to")
     parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
-    parser.add_argument("--commit-message", default="Upload EAGLE-3 draft")
+    parser.add_argument("--commit-message", default="Upload EAGLE-3 draft", help="message of the commit")
     parser.add_argument("--include", action="append", default=[], metavar="PATTERN",
                         help="upload files matching PATTERN (a path in DIR or a file name, `*` wildcards) although "
                              "push leaves them out: private keys, credentials, training state, pickles (repeat for "

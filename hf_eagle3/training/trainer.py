@@ -802,10 +802,9 @@ def train(
             summary = run_evaluation()
             if summary:
                 state["history"].append({"step": state["step"], "eval": summary})
-                accelerator.print(
-                    f"step {state['step']}: held-out n-α {' '.join(f'{a:.2f}' for a in summary['alpha'])}, "
-                    f"chain τ {summary['chain_tau']:.2f}"
-                )
+                if accelerator.is_main_process:  # above the progress bar, not onto it
+                    tqdm.write(f"step {state['step']}: held-out n-α {' '.join(f'{a:.2f}' for a in summary['alpha'])}, "
+                               f"chain τ {summary['chain_tau']:.2f}")
         if accelerator.is_main_process and (state["step"] % config.save_every == 0 or state["step"] == total_steps):
             save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, state, config.keep_checkpoints)
             (output_dir / "history.json").write_text(json.dumps(state["history"], indent=1))
