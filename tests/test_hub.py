@@ -456,7 +456,7 @@ def test_push_dry_run_leaves_out_keys_credentials_and_training_state_and_says_wh
 def test_push_of_a_draft_whose_weights_are_a_pickle_says_to_convert_or_include_them(saved_draft, tmp_path):
     torch.save(load_file(saved_draft / "model.safetensors"), saved_draft / "pytorch_model.bin")
     (saved_draft / "model.safetensors").unlink()
-    with pytest.raises(ConversionError, match="weights are pytorch_model.bin, a pickle.*hf-eagle3 convert.*"
+    with pytest.raises(ConversionError, match="weights are pytorch_model.bin, pickled .*hf-eagle3 convert.*"
                                               "--include pytorch_model.bin"):
         upload_operations(saved_draft, "org/eagle3-draft")
     paths = [op.path_in_repo for op in upload_operations(saved_draft, "org/eagle3-draft", include=["*.bin"])]

@@ -155,7 +155,7 @@ def upload_operations(
             f"{folder} is not an hf-eagle3 draft (config model_type {model_type!r}, expected 'eagle3'): convert it "
             f"first (`hf-eagle3 convert {folder} NEW_FOLDER`), then push NEW_FOLDER."
         )
-    files, left_out = upload_plan(folder, include)
+    files, _ = upload_plan(folder, include)
     checkpoint, _ = read_checkpoint(folder, "hub")
     auto_map = config.get("auto_map") or {}
     code_files = {folder / (reference.split(".")[0] + ".py") for reference in auto_map.values()}
@@ -166,12 +166,16 @@ def upload_operations(
             "push NEW_FOLDER."
         )
     uploaded = {path.relative_to(folder).as_posix() for path in files}
-    weights = next(name for name in WEIGHT_FILES if (folder / name).is_file())
-    if weights not in uploaded:
+    weights = next(name for name in WEIGHT_FILES if (folder / name).is_file())  # the one read_checkpoint read
+    weight_files = (sorted(set(read_json(folder / weights)["weight_map"].values()))
+                    if weights.endswith(".index.json") else [weights])
+    held_back = [name for name in weight_files if name not in uploaded]
+    if held_back:
+        include_hint = held_back[0] if len(held_back) == 1 else f"'*{Path(held_back[0]).suffix}'"
         raise ConversionError(
-            f"{folder}'s weights are {weights}, {left_out[weights]}, which push leaves out: re-save them as "
-            f"safetensors (`hf-eagle3 convert {folder} NEW_FOLDER --from hub`) and push NEW_FOLDER, or publish the "
-            f"pickle anyway with `--include {weights}`."
+            f"{folder}'s weights are {', '.join(held_back)}, pickled (loading a pickle can run code), which push "
+            f"leaves out. Re-save them as safetensors (`hf-eagle3 convert {folder} NEW_FOLDER --from hub`) and push "
+            f"NEW_FOLDER, or publish the pickles anyway with `--include {include_hint}`."
         )
     operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), path) for path in files]
     if "README.md" in uploaded:
@@ -220,16 +224,17 @@ def upload_plan(folder: str | Path, include: list[str] | tuple[str, ...] = ()) -
 
 
 def _matches(name: str, patterns) -> bool:
-    return any(fnmatch.fnmatch(name.lower(), pattern.lower()) or fnmatch.fnmatch(name.rsplit("/", 1)[-1].lower(),
-                                                                                  pattern.lower())
-               for pattern in patterns)
+    """Whether the path `name` in the folder, or its file name, matches one of `patterns` (case-insensitively)."""
+    candidates = {name.lower(), name.rsplit("/", 1)[-1].lower()}
+    return any(fnmatch.fnmatch(candidate, pattern.lower()) for candidate in candidates for pattern in patterns)
 
 
 def _left_out_reason(folder: Path, name: str) -> str | None:
+    """Why push leaves the file `name` of `folder` out (`None`: it uploads it)."""
     if name == "README.md" and not ModelCard.load(folder / name).data.to_dict():
         return "not a model card (no metadata block): a card is generated in its place"
     return next((f"{reason}; upload it with --include {name}" for patterns, reason in LEFT_OUT
-                 if _matches(name.rsplit("/", 1)[-1], patterns)), None)
+                 if _matches(name, patterns)), None)
 
 
 def push_folder(
