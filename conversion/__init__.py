@@ -19,7 +19,7 @@ foreign folders through `read_checkpoint` directly. Where a format's engines rea
 chosen is recorded in the converted config (`converted_from["notes"]`); what no reading makes faithful is refused.
 """
 
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo, UnknownFormatError
 from .convert import EXPORT_FORMATS, FORMATS, convert, read_checkpoint, write_checkpoint
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "DraftCheckpoint",
     "ReadOptions",
     "TargetInfo",
+    "UnknownFormatError",
     "convert",
     "read_checkpoint",
     "write_checkpoint",

@@ -211,6 +211,7 @@ CARRIED_CONFIG_KEY = "hf_eagle3"
 CARRIED_FIELDS = (
     "target_num_hidden_layers",
     "target_name_or_path",
+    "target_fingerprint",
     "tree_depth",
     "tree_top_k",
     "tree_total_tokens",

@@ -296,9 +296,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         run the draft, so the error says how to make it."""
         raise TypeError(
             "An EAGLE-3 draft does not generate on its own: it drafts inside its target's generate, "
-            "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3: `pip install hf-eagle3`, then "
-            "`import hf_eagle3` and load the draft after the import (`Eagle3DraftModel.from_pretrained` or "
-            "`AutoModel.from_pretrained`). A draft loaded before it with trust_remote_code=True is the checkpoint's "
+            "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3 (no package index serves it: "
+            "`pip install ./hf-eagle3` in a clone of its repository), then `import hf_eagle3` and load the draft "
+            "after the import (`Eagle3DraftModel.from_pretrained` or `AutoModel.from_pretrained`). A draft loaded before it with trust_remote_code=True is the checkpoint's "
             "own copy of this class, which hf-eagle3 does not drive."
         )
 
@@ -313,7 +313,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         try:
             from hf_eagle3.publishing.hub import push_draft
         except ImportError as error:
-            raise ImportError("Pushing an EAGLE-3 draft with its model card needs `pip install hf-eagle3`.") from error
+            raise ImportError(
+                "Pushing an EAGLE-3 draft with its model card needs hf-eagle3, which no package index serves: install "
+                "it from a clone of its repository (`pip install ./hf-eagle3`)."
+            ) from error
         return push_draft(self, repo_id, **kwargs)
 
     def _shared_module_names(self) -> list[str]:
@@ -541,7 +544,8 @@ def _foreign_checkpoint(source, from_format: str | None, kwargs: dict):
         from hf_eagle3.conversion import TargetInfo, read_checkpoint
     except ImportError as error:
         raise ImportError(
-            f"{source} is a draft in another project's format; loading it needs `pip install hf-eagle3`."
+            f"{source} is a draft in another project's format; loading it needs hf-eagle3, which no "
+            "package index serves: install it from a clone of its repository (`pip install ./hf-eagle3`)."
         ) from error
     download = {name: kwargs[name] for name in _HUB_KWARGS if name in kwargs and name != "subfolder"}
     checkpoint, format_name = read_checkpoint(source, from_format, TargetInfo(known_at_generate=True), None, download)
@@ -582,8 +586,9 @@ def _additive_mask(
         key_positions = torch.arange(past_length + query_length, device=like.device)
         query_positions = torch.arange(past_length, past_length + query_length, device=like.device)
         attention_mask = (key_positions[None, :] <= query_positions[:, None])[None, None]
-    if attention_mask.dtype == torch.bool:
-        return torch.where(attention_mask, 0.0, torch.finfo(like.dtype).min).to(like.dtype)
+    if attention_mask.dtype == torch.bool:  # built in `like`'s dtype: a float32 minimum would not hold float64's
+        return torch.zeros(attention_mask.shape, dtype=like.dtype, device=like.device).masked_fill(
+            ~attention_mask, torch.finfo(like.dtype).min)
     return attention_mask.to(like.dtype)
 
 
