@@ -86,7 +86,7 @@ def test_readme_examples_run_offline_as_written(trees_pay, readme_cache):
     namespace = {"__name__": "__readme__"}
     for first_line, code, reason in readme_examples():
         if reason is None:
-            exec(_compiled(first_line, code), namespace)
+            exec(_compiled(first_line, code), namespace)  # noqa: S102 (running the README is the test)
     stats = namespace["stats"]  # the batch example's statistics: the calibration decided as written above
     assert (stats.settings is not None) == trees_pay
     assert len(stats.rows) == (len(namespace["questions"]) if trees_pay else 0)
