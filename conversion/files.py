@@ -53,16 +53,26 @@ def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"{path} has no weight_map: it does not index any shard.")
             shards = sorted(set(weight_map.values()))
-            inside = folder.resolve()
+            allowed = _shard_folders(folder)
             for shard in shards:
                 shard_path = (folder / shard).resolve()
-                if inside not in shard_path.parents:
+                if not any(allowed_folder in shard_path.parents for allowed_folder in allowed):
                     raise ConversionError(f"{path} lists {shard!r}, which lies outside {folder}: refusing to read it.")
                 if not shard_path.is_file():
                     raise ConversionError(f"{path} lists {shard!r}, which is missing from {folder}.")
             return {key: tensor for shard in shards for key, tensor in _load_weight_file(folder / shard).items()}
         return _load_weight_file(path)
     raise ConversionError(f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}.")
+
+
+def _shard_folders(folder: Path) -> list[Path]:
+    """Where the shards of `folder` may lie once links are followed: in `folder`, and for a snapshot of the Hub cache
+    (`models--ORG--NAME/snapshots/REVISION/`, whose files are links to `../../blobs/`) in its own repo's `blobs/`."""
+    folder = folder.resolve()
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return [folder, repo / "blobs"]
+    return [folder]
 
 
 def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
