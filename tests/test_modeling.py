@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
-from huggingface_hub.errors import StrictDataclassClassValidationError
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
@@ -356,3 +356,26 @@ def test_variant_weights_have_the_names_public_checkpoints_use():
     assert tiny_draft(num_hidden_layers=2).extra_layers[0].self_attn.q_proj.in_features == HIDDEN
     with pytest.raises(StrictDataclassClassValidationError, match="fc_norm and norm_before_fc are exclusive"):
         tiny_draft(fc_norm=True, norm_before_fc=True)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("ngram_max_match", -1, "greater or equal to 1, got -1"),
+    ("tree_depth", 0, "greater or equal to 1, got 0"),
+    ("tree_shape", "fastest", "expected one of \\('fixed', 'auto'\\)"),
+    ("ngram_candidates", "no", "expected bool, got str"),
+])
+def test_decoding_settings_assigned_after_construction_are_validated_like_at_construction(name, value, message):
+    draft = tiny_draft()
+    with pytest.raises(StrictDataclassFieldValidationError, match=f"(?s)field '{name}'.*{message}"):
+        setattr(draft.config, name, value)
+    with pytest.raises(StrictDataclassFieldValidationError, match=f"(?s)field '{name}'.*{message}"):
+        tiny_draft(**{name: value})
+    draft.config.tree_depth = 3  # a valid one is kept and saved
+    assert Eagle3Config.from_dict(draft.config.to_dict()).tree_depth == 3
+
+
+def test_ngram_candidates_given_to_generate_as_a_string_is_refused_not_read_as_true(llama_target, fitted_draft):
+    prompt = torch.tensor([[5, 17, 33, 2, 61]])
+    with pytest.raises(TypeError, match="ngram_candidates must be True or False, got 'no'"):
+        llama_target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=fitted_draft,
+                              ngram_candidates="no")
