@@ -6,12 +6,13 @@ import pytest
 import torch
 from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel, check_compatibility
+from hf_eagle3.commands import cli
 from hf_eagle3.decoding.tree import ancestor_matrix
 
 
@@ -379,3 +380,32 @@ def test_ngram_candidates_given_to_generate_as_a_string_is_refused_not_read_as_t
     with pytest.raises(TypeError, match="ngram_candidates must be True or False, got 'no'"):
         llama_target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=fitted_draft,
                               ngram_candidates="no")
+
+
+def _nan_weights(folder):
+    weights = load_file(folder / "model.safetensors")
+    save_file({name: tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+               for name, tensor in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _narrower_fc(folder):
+    weights = load_file(folder / "model.safetensors")
+    save_file(weights | {"fc.weight": weights["fc.weight"][:, :-1].contiguous()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, message, convert_message", [
+    (_nan_weights, r"has NaN or infinite values in fc\.weight, .*midlayer\.self_attn\.q_proj\.weight",
+     r"NaN or infinite values in fc\.weight"),
+    (lambda folder: (folder / "config.json").write_text("[1, 2]"),
+     r"The config.json of .* holds a JSON list, not an object of config fields", r"config.json holds a JSON list"),
+    (_narrower_fc, rf"wrong shape fc\.weight \(32, 95\) \(its config expects \(32, 96\)\)",
+     r"fc\.weight \(32, 95\) \(expected \(32, 96\)\)"),
+])
+def test_a_damaged_draft_folder_is_refused_naming_what_is_wrong(tmp_path, damage, message, convert_message):
+    tiny_draft().save_pretrained(tmp_path / "draft")
+    damage(tmp_path / "draft")
+    with pytest.raises((ValueError, OSError), match=message):
+        Eagle3DraftModel.from_pretrained(tmp_path / "draft")
+    with pytest.raises(SystemExit, match=convert_message):
+        cli.main(["convert", str(tmp_path / "draft"), str(tmp_path / "converted")])
