@@ -422,6 +422,12 @@ def load_dataset(directory: str | Path) -> list[Example]:
     return [example for shard in shards for example in _read_shard(shard)]
 
 
+def dataset_digests(directory: str | Path) -> dict[str, str]:
+    """A digest of every shard of a prepared directory, by file name: what a resumed training run checks its data
+    against."""
+    return {shard.name: file_digest(shard) for shard in sorted(Path(directory).glob("shard-*.jsonl"))}
+
+
 def _check_settings(**settings) -> None:
     """Refuse `prepare_dataset` settings that would silently produce wrong data, naming the valid range."""
     problems = [f"--{name.replace('_', '-')} must be >= 1, got {value}" for name, value in settings.items()
@@ -660,6 +666,7 @@ __all__ = [
     "Example",
     "PreparedData",
     "SkipCounts",
+    "dataset_digests",
     "load_dataset",
     "normalize_messages",
     "prepare_dataset",
