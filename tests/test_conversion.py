@@ -4,6 +4,7 @@ Each fixture is written the way its project writes it (key names, config fields,
 converted draft is checked against a reference forward written here from the format's semantics, in plain torch.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -1197,6 +1198,36 @@ def test_damaged_weight_files_are_named_not_tracebacks(tmp_path, damage, message
     with pytest.raises(ConversionError, match=message):
         convert(source, tmp_path / "out")
 
+
+
+def hub_cache_snapshot(folder: Path, cache: Path) -> Path:
+    """`folder`'s files as the Hub cache stores a download: `snapshots/<revision>/<name>` links to `../../blobs/<sha>`."""
+    repo = cache / "models--org--draft"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for file in folder.iterdir():
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(blobs / blob)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+    return snapshot
+
+
+def test_a_sharded_foreign_checkpoint_in_the_hub_cache_converts_and_loads(tmp_path):
+    (tmp_path / "download").mkdir()
+    fixture = sglang_sharded_fixture(tmp_path / "download")
+    snapshot = hub_cache_snapshot(tmp_path / "download", tmp_path / "hub-cache")
+    cli.main(["convert", str(snapshot), str(tmp_path / "out")])
+    draft = Eagle3DraftModel.from_pretrained(snapshot)
+    assert torch.equal(draft.fc.weight.to(fixture.tensors["fc.weight"].dtype), fixture.tensors["fc.weight"])
+    # a link that leaves the repo's cache folder is still refused
+    shard = snapshot / "model-00001-of-00002.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(SystemExit, match="lies outside"):
+        cli.main(["convert", str(snapshot), str(tmp_path / "out2")])
 
 def test_a_killed_conversions_staging_folder_is_removed_by_the_next_run(tmp_path):
     tiny_draft().save_pretrained(tmp_path / "hub")

@@ -257,20 +257,31 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if foreign is not None:  # loaded from memory by the same code path as a saved draft
             kwargs.pop("pretrained_model_name_or_path", None)
             args, kwargs = (None, *args[1:]), {**kwargs, "config": foreign.config, "state_dict": foreign.tensors}
-        try:
-            model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        try:  # mismatched shapes are reported below, naming each tensor's shapes
+            model, loading_info = super().from_pretrained(*args, output_loading_info=True,
+                                                          **{**kwargs, "ignore_mismatched_sizes": True})
         except SafetensorError as error:
             raise ValueError(
                 f"The weights of the draft at {source!r} cannot be read ({error}): the file is truncated or damaged. "
                 "Download or save the draft again."
             ) from error
         missing = set(loading_info["missing_keys"]) - {f"{name}.weight" for name in model._shared_module_names()}
-        mismatched = loading_info.get("mismatched_keys") or []
+        mismatched = [f"{name} {tuple(found)} (its config expects {tuple(expected)})"
+                      for name, found, expected in sorted(loading_info.get("mismatched_keys") or [])]
         if missing or mismatched:
+            problems = [f"missing {', '.join(sorted(missing))}"] * bool(missing) + [
+                f"wrong shape {', '.join(mismatched)}"] * bool(mismatched)
             raise ValueError(
-                f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel: missing {sorted(missing)}, "
-                f"wrong shape {sorted(mismatched)}. Its weights do not match its config: save or download the draft "
-                "again (a checkpoint of another project loads directly only with that project's own config.json)."
+                f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel ({'; '.join(problems)}). Its "
+                "weights do not match its config: save or download the draft again (a checkpoint of another project "
+                "loads directly only with that project's own config.json)."
+            )
+        not_finite = [name for name, tensor in model.state_dict().items()
+                      if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+        if not_finite:
+            raise ValueError(
+                f"The checkpoint at {source!r} has NaN or infinite values in {', '.join(not_finite)}: it would draft "
+                "garbage. Load a checkpoint saved before training diverged."
             )
         target_ids = model.draft_to_target
         in_vocabulary = bool(((target_ids >= 0) & (target_ids < model.config.vocab_size)).all())
@@ -562,6 +573,11 @@ def _is_foreign(source, kwargs: dict) -> bool:
         config, _ = PreTrainedConfig.get_config_dict(source, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
     except (OSError, ValueError):
         return False
+    if not isinstance(config, dict):  # an unreadable config, as transformers reports one that is not JSON
+        raise OSError(
+            f"The config.json of {source!r} holds a JSON {type(config).__name__}, not an object of config fields: it "
+            "is damaged. Save or download the draft again."
+        )
     return config.get("model_type") != Eagle3Config.model_type
 
 
