@@ -16,6 +16,8 @@ from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import CompileConfig
 
 from hf_eagle3 import Eagle3Config, optimize
+from hf_eagle3.commands.cli import build_parser
+from hf_eagle3.commands.tune_tree import recalibrate, show_calibration
 from hf_eagle3.decoding.calibration import (
     MAX_SPREAD,
     MIN_PREDICTED_SPEEDUP,
@@ -302,3 +304,17 @@ def test_an_invalid_profile_row_decodes_plainly_before_anything_is_measured(cach
     assert not cache.exists()  # nothing measured, nothing allocated for the row's sizes
     output = llama_target.generate(PROMPT, max_new_tokens=8, do_sample=False, assistant_model=auto_draft)
     assert torch.equal(output, llama_target.generate(PROMPT, max_new_tokens=8, do_sample=False))
+
+
+def test_recalibrate_replaces_the_cached_record_and_show_calibration_prints_it(cache, llama_target, auto_draft):
+    _, path = calibrate(llama_target, auto_draft, measure=Measure())
+    shown = show_calibration(llama_target, auto_draft)
+    assert shown.startswith(f"calibration record: {path}\n") and json.loads(shown.split("\n", 1)[1])["costs"][
+        "machine"] == "a test machine"
+    report = recalibrate(llama_target, auto_draft)  # measured here, for real
+    record = json.loads(path.read_text())
+    assert record["costs"]["machine"] == machine_description() and str(path) in report
+    assert "tree_shape='auto' now: " in report
+    args = build_parser().parse_args(["tune-tree", "--recalibrate", "--batch-size", "4", "--compiled", "--cpu-layout"])
+    assert args.recalibrate and args.batch_size == 4 and args.compiled and args.cpu_layout
+    assert "none yet" in show_calibration(llama_target, auto_draft, batch_size=4)
