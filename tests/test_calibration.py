@@ -96,6 +96,16 @@ def test_a_measurement_covers_every_profiled_shape_with_its_spread(llama_target,
     assert costs.spread >= 0 and MachineCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
 
 
+@pytest.mark.slow  # dynamo traces one graph per forward size (about a minute on a busy 2-core machine)
+def test_the_compiled_path_is_measured_through_a_static_cache_and_the_compiled_forward(llama_target, auto_draft):
+    compile_config = CompileConfig(backend="eager", fullgraph=False, dynamic=False)  # torch.compile, no codegen
+    compile_config._compile_all_devices = True
+    row = auto_draft.config.acceptance_profile[-1]  # one shape: each new size is one more graph
+    costs = measure_costs(llama_target, auto_draft, [row], rounds=1, compile_config=compile_config)
+    assert set(costs.verify) == {1, row["tree_total_tokens"] + 1} and costs.plain_step > 0
+    assert set(costs.draft) == {(row["tree_depth"], row["tree_top_k"])}
+
+
 def test_calibration_is_not_reused_for_another_path_dtype_thread_count_batch_layout_or_draft(
         cache, llama_target, auto_draft):
     def path(target=llama_target, draft=auto_draft, **kwargs):

@@ -41,7 +41,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -111,8 +111,8 @@ class MachineCosts:
 
     `plain_step`: one token per row of plain greedy `generate`; `verify[n]`: one target forward over `n` tokens per
     row (a tree of `n - 1` nodes and its root); `draft[(depth, top_k)]`: the draft's work in one cycle, every row;
-    `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping); `spread`: the largest interquartile
-    range over median of these over the measurement's rounds (see `MAX_SPREAD`).
+    `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping); `spread`: the interquartile range over
+    median, over the measurement's rounds, of the predicted speedup of the shape the medians choose (`MAX_SPREAD`).
     """
 
     machine: str
@@ -401,7 +401,7 @@ def measure_costs(
 ) -> MachineCosts:
     """Measure, on this machine, everything `predict` needs for the shapes of `profile` at `batch_size`, on the eager
     path or the one compiled with `compile_config`: every cost in `rounds` interleaved rounds after a warm-up round,
-    medians, and their largest spread (about twenty seconds for SmolLM2-135M on two CPU cores at batch size 1). The
+    medians, and the spread of the prediction they make (about twenty seconds for SmolLM2-135M on two CPU cores at batch size 1). The
     draft's work is measured for one row: rows draft one after another."""
     draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
@@ -419,15 +419,24 @@ def measure_costs(
     probes |= {("draft", shape): probe for shape, probe in _drafting_probes(
         draft, list(tree_shapes.values()), 2, prefix_length).items()}
     samples = _interleaved(probes, rounds)
-    median = {name: statistics.median(times) for name, times in samples.items()}
-    return MachineCosts(
-        machine=machine_description(target.device),
-        plain_step=max(median["plain"], SECONDS_RANGE[0]),
-        verify={n: max(median["verify", n], SECONDS_RANGE[0]) for n in sizes},
-        draft={key: max(batch_size * median["draft", shape], SECONDS_RANGE[0]) for key, shape in tree_shapes.items()},
-        other=median["other"],
-        spread=max(_spread(times) for name, times in samples.items() if name != "other"),  # `other`: a small rest
-    )
+
+    def costs_of(pick: Callable[[list[float]], float]) -> MachineCosts:
+        return MachineCosts(
+            machine=machine_description(target.device),
+            plain_step=max(pick(samples["plain"]), SECONDS_RANGE[0]),
+            verify={n: max(pick(samples["verify", n]), SECONDS_RANGE[0]) for n in sizes},
+            draft={key: max(batch_size * pick(samples["draft", shape]), SECONDS_RANGE[0])
+                   for key, shape in tree_shapes.items()},
+            other=pick(samples["other"]),
+        )
+
+    costs = costs_of(statistics.median)
+    # The spread that matters: of the predicted speedup of the shape the medians choose, round by round
+    best = predict(profile, costs, ngram_candidates=True)[0].settings
+    speedups = [prediction.tokens_per_second * round_costs.plain_step
+                for round_costs in (costs_of(lambda times, r=r: times[r]) for r in range(rounds))
+                for prediction in predict(profile, round_costs, ngram_candidates=True) if prediction.settings == best]
+    return replace(costs, spread=_spread(speedups))
 
 
 def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None) -> dict:
