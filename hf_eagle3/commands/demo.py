@@ -199,10 +199,14 @@ def _run(args: argparse.Namespace) -> None:
     print()
     predicted, measured = result["predicted_speedup"], result["speedup_same_dtype"]
     sets = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in result["speedup_by_set"].items())
-    print(f"speedup over the fastest plain decoding here ({fastest}): {result['speedup']:.2f}x, the median over "
-          f"{len(result['runs'])} prompts ({sets}) of {args.repetitions} interleaved runs each")
-    print(f"over plain {chosen}: measured {measured:.2f}x, predicted by the calibration {predicted:.2f}x "
-          f"({100 * (predicted - measured) / measured:+.0f} %)")
+    if result["choices"][chosen].settings is None:
+        print(f"EAGLE-3 decoded plainly here, so there is no speedup to show: the measured ratio to plain {fastest}, "
+              f"{result['speedup']:.2f}x ({sets}), is this machine's timing noise")
+    else:
+        print(f"speedup over the fastest plain decoding here ({fastest}): {result['speedup']:.2f}x, the median over "
+              f"{len(result['runs'])} prompts ({sets}) of {args.repetitions} interleaved runs each")
+        print(f"over plain {chosen}: measured {measured:.2f}x, predicted by the calibration {predicted:.2f}x "
+              f"({100 * (predicted - measured) / measured:+.0f} %)")
     parted = [run["comparison"] for run in result["runs"] if not run["comparison"]["identical"]]
     if parted:
         near_ties = sum(1 for comparison in parted if comparison.get("near_tie"))
