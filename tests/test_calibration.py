@@ -118,7 +118,8 @@ def test_calibration_is_not_reused_for_another_path_dtype_thread_count_batch_lay
     finally:
         torch.set_num_threads(threads)
     compile_config = CompileConfig(fullgraph=False, dynamic=False)
-    bf16_target, bf16_draft = copy.deepcopy(llama_target).to(torch.bfloat16), copy.deepcopy(auto_draft).to(torch.bfloat16)
+    bf16_target = copy.deepcopy(llama_target).to(torch.bfloat16)
+    bf16_draft = copy.deepcopy(auto_draft).to(torch.bfloat16)
     other_draft = fit_draft(tiny_draft(seed=1, draft_vocab_size=auto_draft.config.draft_vocab_size), llama_target,
                             steps=5)
     other_draft.config.acceptance_profile, other_draft.config.tree_shape = auto_draft.config.acceptance_profile, "auto"

@@ -381,7 +381,8 @@ def verification_cost_report(target, token_counts: list[int], layer_ids: list[in
                 samples[layout][n].append(seconds)
     if compare_layouts:
         standard_layout(target)
-    costs = {layout: {n: statistics.median(times) for n, times in by_size.items()} for layout, by_size in samples.items()}
+    costs = {layout: {n: statistics.median(times) for n, times in by_size.items()}
+             for layout, by_size in samples.items()}
     machine, dtype = machine_description(target.device), str(target.dtype).removeprefix("torch.")
     one = min(token_counts)
     table = (f"Measured on {machine}, {dtype}, {torch.get_num_threads()} torch threads; weight layout "

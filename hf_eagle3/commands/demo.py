@@ -189,7 +189,8 @@ def _run(args: argparse.Namespace) -> None:
     print()
     for index, run in enumerate(result["runs"], 1):
         plain = ", ".join(f"{name} {tps:.1f}" for name, tps in run["plain_tokens_per_second"].items())
-        print(f"prompt {index} ({run['set']}): {run['prompt'][:100].strip()!r}{'...' if len(run['prompt']) > 100 else ''}")
+        prompt = run["prompt"]
+        print(f"prompt {index} ({run['set']}): {prompt[:100].strip()!r}{'...' if len(prompt) > 100 else ''}")
         print(f"  {run['text'][:160].strip()!r}{'...' if len(run['text']) > 160 else ''}")
         print(f"  plain generate (tokens/s): {plain}; EAGLE-3 ({chosen}): {run['eagle_tokens_per_second']:.1f}; "
               f"speedup {run['speedup']:.2f}x over plain {fastest}; τ {run['tau']:.2f}"

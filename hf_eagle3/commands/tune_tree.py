@@ -162,8 +162,8 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--show-calibration", action="store_true",
                         help="print the cached costs tree_shape='auto' decides with here (path and content), and exit")
     parser.add_argument("--recalibrate", action="store_true",
-                        help="measure this machine's costs again for the draft's acceptance profile, replace the cached "
-                             "record, print it, and exit (no profiling)")
+                        help="measure this machine's costs again for the draft's acceptance profile, replace the "
+                             "cached record, print it, and exit (no profiling)")
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of --show-calibration / --recalibrate")
     parser.add_argument("--compiled", action="store_true",
                         help="--show-calibration / --recalibrate for the compiled path (bench's `+compiled`)")

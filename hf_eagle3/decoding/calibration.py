@@ -20,8 +20,8 @@ Measuring on a noisy machine: every cost is sampled in `CALIBRATION_ROUNDS` inte
 only warms every shape up, so that a change of load hits every cost alike, and the medians count. The decode step is
 plain `generate`'s own, the median time between its tokens (a clock in its stopping criteria). A measurement whose
 spread (interquartile range over median, `MachineCosts.spread`) exceeds `MAX_SPREAD` is taken again once; still
-noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so. Within a call, `online.OnlineCheck` compares
-the call's real speed with plain decoding's and switches to plain decoding when the shape loses.
+noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so.
+Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's and switches to plain decoding when the shape loses.
 
 The cache is an optimisation, never a point of failure: a record that cannot be read or is invalid is reported once,
 naming the file, and measured again; a cache that cannot be written (read-only, full, a file in the way) is reported
@@ -127,7 +127,7 @@ class MachineCosts:
 
     @classmethod
     def from_json(cls, record) -> "MachineCosts":
-        """The costs of a cache record, every field checked (a `ValueError` or `TypeError` names the first that is wrong)."""
+        """The costs of a cache record, every field checked (a `ValueError` or `TypeError` names the first wrong)."""
         if not isinstance(record, dict) or not isinstance(record.get("machine"), str):
             raise TypeError("the costs must be an object with a machine name")
         verify, draft = record.get("verify"), record.get("draft")
@@ -401,8 +401,8 @@ def measure_costs(
 ) -> MachineCosts:
     """Measure, on this machine, everything `predict` needs for the shapes of `profile` at `batch_size`, on the eager
     path or the one compiled with `compile_config`: every cost in `rounds` interleaved rounds after a warm-up round,
-    medians, and the spread of the prediction they make (about twenty seconds for SmolLM2-135M on two CPU cores at batch size 1). The
-    draft's work is measured for one row: rows draft one after another."""
+    medians, and the spread of the prediction they make (about twenty seconds for SmolLM2-135M on two quiet CPU
+    cores at batch size 1). The draft's work is measured for one row: rows draft one after another."""
     draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
     sizes = sorted({1} | {shape.total_tokens + 1 for shape in shapes})
@@ -586,8 +586,8 @@ def choose_tree(
              + (", context n-gram candidates" if ngram_candidates else ""))
     batch = f", batch size {batch_size}" if batch_size > 1 else ""
     compiled = ", compiled" if compile_config is not None else ""
-    measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}{compiled}: a decode step "
-                f"takes {1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
+    measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}{compiled}: a decode "
+                f"step takes {1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
                 f"{1000 * costs.verify[best.settings.total_tokens + 1]:.1f} ms, drafting "
                 f"{1000 * costs.draft[best.settings.depth, best.settings.top_k]:.1f} ms")
     force = "Pass tree_depth / tree_top_k / tree_total_tokens to force a tree."
@@ -602,7 +602,8 @@ def choose_tree(
                    "`hf-eagle3 tune-tree --recalibrate`)")
         else:
             why = f"it is predicted at {speedup:.2f}x plain decoding ({measured})"
-        reason = f"EAGLE-3 decodes plainly here: the fastest tree ({shape}, τ {best.tau:.2f}) is not used: {why}. {force}"
+        reason = (f"EAGLE-3 decodes plainly here: the fastest tree ({shape}, τ {best.tau:.2f}) is not used: {why}. "
+                  f"{force}")
         return TreeChoice(None, 1.0, reason, costs, predictions, path)
     reason = f"tree {shape} (τ {best.tau:.2f}) predicted at {speedup:.2f}x plain decoding ({measured})"
     return TreeChoice(best.settings, speedup, reason, costs, predictions, path)

@@ -34,7 +34,8 @@ def _own_linear_weights(model: nn.Module) -> list[nn.Parameter]:
     weights = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear) and weight is not None and weight.device.type == "cpu" and users[id(weight)] == 1:
+        own = isinstance(module, nn.Linear) and weight is not None and users[id(weight)] == 1
+        if own and weight.device.type == "cpu":
             weights[id(weight)] = weight
     return list(weights.values())
 

@@ -713,8 +713,8 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
         root_positions = root_positions + lengths
         if drafting and online is not None and online.observe(
                 time.perf_counter() - cycle_start, float(lengths.float().mean())) is Decision.PLAIN:
-            stats.shape_choice = (f"{shape_choice}; measured in this call at {online.speedup:.2f}x plain decoding after "
-                                  f"{online.cycles} cycles, so it went on plainly")
+            stats.shape_choice = (f"{shape_choice}; measured in this call at {online.speedup:.2f}x plain decoding "
+                                  f"after {online.cycles} cycles, so it went on plainly")
             logger.warning_once(f"{shape_choice}; slower than plain decoding in a call, which went on plainly (its "
                                 "statistics' shape_choice says by how much)")
             if online.costs_disproved:
