@@ -4,13 +4,15 @@ Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Au
 `target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`, also inside
 `pipeline("text-generation", model=target, assistant_model=draft)` (the draft, or its path or Hub id);
 `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)` runs the same loop through transformers'
-`custom_generate` extension point.
+`custom_generate` extension point. `hf_eagle3.optimize(model)` lays a model's linear weights out for fast multi-token
+forwards on CPU, explicitly (`decoding.cpu_layout`).
 """
 
 from transformers import AutoConfig, AutoModel
 
 from .configuration_eagle3 import Eagle3Config
 from .decoding.compatibility import check_compatibility, check_transformers_version
+from .decoding.cpu_layout import optimize, standard_layout
 from .decoding.generate import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
 from .decoding.pipelines import install as install_pipeline_support
 from .modeling_eagle3 import Eagle3DraftModel
@@ -34,4 +36,6 @@ __all__ = [
     "Eagle3RowStats",
     "check_compatibility",
     "eagle3_generate",
+    "optimize",
+    "standard_layout",
 ]

@@ -171,7 +171,8 @@ def test_plot_shows_labelled_bars_on_integer_axes_from_zero_with_the_settings_in
 def test_verification_cost_is_written_to_the_output_directory(llama_target, tmp_path):
     table = verification_cost_report(llama_target, [1, 4], [2, 4, 6], tmp_path / "results")
     record = json.loads((tmp_path / "results" / "verification-cost.json").read_text())
-    assert set(record["seconds"]) == {"1", "4"} and all(seconds > 0 for seconds in record["seconds"].values())
+    seconds = record["seconds"]["standard"]
+    assert set(seconds) == {"1", "4"} and all(value > 0 for value in seconds.values())
     assert record["dtype"] == "float32" and record["torch_threads"] >= 1 and record["machine"]
     assert (tmp_path / "results" / "verification-cost.md").read_text() == table
     assert "| 4 |" in table and table.startswith("Measured on ")
@@ -222,3 +223,12 @@ def test_plot_shares_the_speedup_scale_and_marks_the_cycles_only_an_ngram_branch
     assert [bool(bar.get_hatch()) for bar in lengths_a.patches] == [False, False, False, True, True]
     assert "longer than the tree: an n-gram branch" in [text.get_text() for text in lengths_a.get_legend().get_texts()]
     assert "only a context n-gram branch" in figure.texts[-1].get_text()
+
+
+def test_verification_cost_with_the_cpu_layout_tables_both_layouts(llama_target, tmp_path):
+    target = copy.deepcopy(llama_target)
+    table = verification_cost_report(target, [1, 4], [2, 4, 6], tmp_path, compare_layouts=True)
+    record = json.loads((tmp_path / "verification-cost.json").read_text())
+    assert set(record["seconds"]) == {"standard", "column-major"}
+    assert "| tokens verified | standard ms | x 1 token | column-major ms | x 1 token |" in table
+    assert all(weight.is_contiguous() for weight in target.parameters())  # left as loaded

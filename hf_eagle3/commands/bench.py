@@ -18,6 +18,9 @@ branch of a near-tie. Such a mismatch is a *near-tie* when the two computations 
 the two tokens by at most `NEAR_TIE_LOGITS[dtype]`; any other mismatch is an error. EAGLE-3 methods named with `+exact`
 verify with `exact_attention=True` (each node attends exactly as plain decoding would), which removes the difference
 where the rest of the layer is row-invariant, as on CPU.
+
+`--cpu-layout` runs every method with the models' linear weights column-major (`hf_eagle3.optimize`); with
+`--verification-cost` it measures the forwards in both layouts instead, interleaved, and tables them side by side.
 """
 
 import argparse
@@ -31,6 +34,7 @@ import torch
 from transformers import CompileConfig
 
 from ..decoding.calibration import machine_description, verification_cost
+from ..decoding.cpu_layout import optimize, standard_layout, weight_layout
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
@@ -397,15 +401,35 @@ def _method_label(name: str, shapes: list[str]) -> str:
     return f"{name} ({shape})" if shape and shape not in name else name
 
 
-def verification_cost_report(target, token_counts: list[int], layer_ids: list[int], output_dir: Path) -> str:
-    """Measure one target forward over each of `token_counts` new tokens (`calibration.verification_cost`), write
+LAYOUT_ROUNDS = 3  # alternations of the two weight layouts when comparing them
+
+
+def verification_cost_report(target, token_counts: list[int], layer_ids: list[int], output_dir: Path,
+                             compare_layouts: bool = False) -> str:
+    """Measure one target forward over each of `token_counts` new tokens (`calibration.verification_cost`) in the
+    target's weight layout, or with `compare_layouts` in the standard and the column-major one (`optimize`),
+    alternated `LAYOUT_ROUNDS` times (medians; the target is left in the standard layout), write
     `verification-cost.json` and `verification-cost.md` to `output_dir`, and return the markdown table."""
-    costs = verification_cost(target, token_counts, layer_ids=layer_ids)
+    layouts = {"standard": standard_layout, "column-major": optimize} if compare_layouts else {
+        weight_layout(target): lambda model: model}
+    samples = {layout: {n: [] for n in token_counts} for layout in layouts}
+    for _ in range(LAYOUT_ROUNDS if compare_layouts else 1):
+        for layout, lay_out in layouts.items():
+            lay_out(target)
+            for n, seconds in verification_cost(target, token_counts, layer_ids=layer_ids).items():
+                samples[layout][n].append(seconds)
+    if compare_layouts:
+        standard_layout(target)
+    costs = {layout: {n: statistics.median(times) for n, times in by_size.items()}
+             for layout, by_size in samples.items()}
     machine, dtype = machine_description(target.device), str(target.dtype).removeprefix("torch.")
-    table = (f"Measured on {machine}, {dtype}, {torch.get_num_threads()} torch threads.\n\n"
-             "| tokens verified | ms | x one decode step |\n|---|---|---|\n"
-             + "".join(f"| {n} | {1000 * seconds:.1f} | {seconds / costs[min(costs)]:.2f} |\n"
-                       for n, seconds in costs.items()))
+    one = min(token_counts)
+    table = (f"Measured on {machine}, {dtype}, {torch.get_num_threads()} torch threads; weight layout "
+             f"{' vs '.join(costs)}.\n\n| tokens verified |"
+             + "".join(f" {layout} ms | x {one} token |" for layout in costs) + "\n|---|"
+             + "---|---|" * len(costs) + "\n"
+             + "".join(f"| {n} |" + "".join(f" {1000 * by_size[n]:.1f} | {by_size[n] / by_size[one]:.2f} |"
+                                            for by_size in costs.values()) + "\n" for n in token_counts))
     output_dir.mkdir(parents=True, exist_ok=True)
     record = {"machine": machine, "dtype": dtype, "torch_threads": torch.get_num_threads(), "seconds": costs}
     (output_dir / "verification-cost.json").write_text(json.dumps(record, indent=1))
@@ -418,9 +442,13 @@ def _run(args: argparse.Namespace) -> None:
         require("`hf-eagle3 bench`", {"matplotlib": "bench", **prompt_set_packages(args.prompts)})
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
-        print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output)))
+        print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output),
+                                       compare_layouts=args.cpu_layout))
         print(f"wrote {args.output}/verification-cost.json, verification-cost.md")
         return
+    if args.cpu_layout:
+        optimize(target)
+        optimize(draft)
     prompt_sets = {name: load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
                    for name in args.prompts}
     longest = max(prompt.shape[1] for prompts in prompt_sets.values() for prompt in prompts) + args.max_new_tokens
@@ -475,5 +503,8 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--verification-cost", type=int, nargs="+", metavar="N",
                         help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64), write "
                              "verification-cost.json / .md to --output, and exit")
+    parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=False,
+                        help="run every method with the linear weights column-major (`hf_eagle3.optimize`); with "
+                             "--verification-cost, measure with and without it, side by side")
     parser.add_argument("--output", default="bench-results", help="directory for the results")
     parser.set_defaults(run=_run)

@@ -4,7 +4,19 @@ plain `generate` this machine offers.
 The dtype and the tree are chosen by measurement, not by a default tuned on one CPU: for each candidate dtype the
 calibration (`calibration.choose_tree`, cached) measures this machine's decode step, verification and drafting costs
 and predicts the fastest tree shape; the demo decodes in the dtype predicted fastest, and compares with plain
-decoding in every candidate dtype, timed with interleaved repetitions after a warm-up of every shape.
+decoding in every candidate dtype, interleaved, after a warm-up of every method on the first prompt.
+
+The prompts are those the README reports on: the first MT-bench first turns (chat) and HumanEval problems (code),
+`DEMO_PROMPTS_PER_SET` of each; the speedup line is the median over them. Greedy outputs are compared with plain
+decoding in the same dtype (`bench.first_divergence`): in reduced precision a prompt whose output parts from plain
+decoding is reported with where, how many tokens differ from there, and at what logit gap (a near-tie when the two
+computations disagree by at most `bench.NEAR_TIE_LOGITS`). `--cpu-layout` lays the linear weights out column-major
+first (`hf_eagle3.optimize`), for plain decoding and EAGLE-3 alike.
+
+Its cost, counted in target forwards (about 50 ms each for SmolLM2 on two CPU cores): per dtype a calibration (about
+twenty seconds), then (prompts x repetitions + 1 warm-up) x (max_new_tokens per plain dtype + about max_new_tokens / τ
+EAGLE-3 cycles): with the defaults (8 prompts, 2 repetitions, 64 tokens, 2 dtypes) about 17 x 160 = 2,700 forwards,
+so about four minutes in all.
 """
 
 import argparse
@@ -14,83 +26,114 @@ import time
 import torch
 
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description
+from ..decoding.cpu_layout import optimize
 from ..resources.loading import DTYPES, load_draft, load_target
-from ..resources.prompts import chat_input_ids
+from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns
+from .bench import NEAR_TIE_LOGITS, first_divergence
 
-DEFAULT_PROMPTS = (
-    "Explain in a few sentences why the sky is blue.",
-    "Write a short poem about a lighthouse keeper.",
-    "Give three tips for writing clear Python code.",
-)
+DEMO_PROMPTS_PER_SET = 4
 
 
-def _seconds(function) -> tuple[float, torch.Tensor]:
+def demo_prompts(per_set: int = DEMO_PROMPTS_PER_SET) -> list[tuple[str, str]]:
+    """`(set, user message)`: the first `per_set` MT-bench first turns and HumanEval problems."""
+    return ([("mt-bench", text) for text in mt_bench_first_turns()[:per_set]]
+            + [("humaneval", text) for text in humaneval_prompts()[:per_set]])
+
+
+def _timed(function, *args) -> tuple[float, object]:
     start = time.perf_counter()
-    output = function()
+    output = function(*args)
     return time.perf_counter() - start, output
 
 
+def _comparison(plain_output, eagle_output, prompt_length: int, dtype: torch.dtype) -> dict:
+    """How EAGLE-3's greedy output compares with plain decoding's: identical, or where it parts, how many of its
+    tokens differ from there, and the logit gaps there (`bench.first_divergence`)."""
+    if torch.equal(plain_output.sequences, eagle_output.sequences):
+        return {"identical": True}
+    divergence = first_divergence(plain_output, eagle_output, prompt_length)
+    disagreement = divergence["disagreement"]
+    return divergence | {
+        "identical": False,
+        "differing_tokens": eagle_output.sequences.shape[1] - prompt_length - divergence["position"],
+        "near_tie": disagreement is not None and disagreement <= NEAR_TIE_LOGITS.get(dtype, 1e-3),
+    }
+
+
 def run_demo(
-    prompts: list[str], max_new_tokens: int, dtypes: list[str], repetitions: int, threads: int | None,
-    exact_attention: bool = False,
+    prompts: list[tuple[str, str]], max_new_tokens: int, dtypes: list[str], repetitions: int, threads: int | None,
+    exact_attention: bool = False, cpu_layout: bool = False,
 ) -> dict:
     """Calibrate each dtype of `dtypes`, decode with EAGLE-3 in the one predicted fastest, and time it against plain
-    decoding in every dtype of `dtypes` on each prompt. Returns the choices, the per-prompt measurements and the
-    medians (speedups are against the fastest plain decoding measured)."""
+    decoding in every dtype of `dtypes` on each `(set, prompt)` (interleaved, after a warm-up of every method on the
+    first prompt). Returns the choices, the per-prompt measurements and the medians (speedups are against the fastest
+    plain decoding measured)."""
     if threads:
         torch.set_num_threads(threads)
     models, choices = {}, {}
     for name in dtypes:
         target, tokenizer = load_target("smollm2", DTYPES[name])
         draft = load_draft("shipped", DTYPES[name])
+        if cpu_layout:
+            optimize(target)
+            optimize(draft)
         models[name] = (target, draft)
         choices[name] = choose_tree(target, draft)
 
     def predicted_tokens_per_second(choice: TreeChoice) -> float:
-        return choice.predicted_speedup / choice.costs.plain_step
+        return choice.predicted_speedup / choice.costs.plain_step if choice.costs else 0.0
 
     chosen = max(dtypes, key=lambda name: predicted_tokens_per_second(choices[name]))
     eagle_target, draft = models[chosen]
+    greedy = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_dict_in_generate": True,
+              "output_scores": True}  # scores kept by every method alike: a mismatch is diagnosed without a rerun
+
+    def plain(name: str, input_ids: torch.Tensor):
+        return models[name][0].generate(input_ids, **greedy)
+
+    def eagle(input_ids: torch.Tensor):
+        return eagle_target.generate(input_ids, **greedy, assistant_model=draft, exact_attention=exact_attention)
+
+    encoded = [(prompt_set, text, chat_input_ids(tokenizer, text)) for prompt_set, text in prompts]
+    for name in dtypes:  # warm-up: every method's kernels
+        plain(name, encoded[0][2])
+    eagle(encoded[0][2])
     runs = []
-    for prompt in prompts:
-        input_ids = chat_input_ids(tokenizer, prompt)
-        kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False}
-
-        def plain(name):
-            return models[name][0].generate(input_ids, **kwargs)
-
-        def eagle():
-            return eagle_target.generate(input_ids, **kwargs, assistant_model=draft, exact_attention=exact_attention)
-
-        for name in dtypes:  # warm-up: every kernel shape of every method
-            plain(name)
-        eagle()
-        plain_seconds, plain_outputs, eagle_seconds, taus = {name: [] for name in dtypes}, {}, [], []
+    for prompt_set, text, input_ids in encoded:
+        plain_seconds, plain_outputs, eagle_seconds, taus, switched = {name: [] for name in dtypes}, {}, [], [], False
         for _ in range(repetitions):  # interleaved, so that machine noise hits every method alike
             for name in dtypes:
-                seconds, plain_outputs[name] = _seconds(lambda: plain(name))
+                seconds, plain_outputs[name] = _timed(plain, name, input_ids)
                 plain_seconds[name].append(seconds)
-            seconds, eagle_output = _seconds(eagle)
+            seconds, eagle_output = _timed(eagle, input_ids)
             eagle_seconds.append(seconds)
-            taus.append(draft.generation_stats.mean_acceptance_length if draft.generation_stats.settings else 1.0)
-        new_tokens = eagle_output.shape[1] - input_ids.shape[1]
-        plain_tokens = {name: output.shape[1] - input_ids.shape[1] for name, output in plain_outputs.items()}
+            stats = eagle_output.eagle3_stats
+            taus.append(stats.mean_acceptance_length if stats.settings else 1.0)
+            switched |= "went on plainly" in (stats.shape_choice or "")
+        prompt_length = input_ids.shape[1]
+        new_tokens = eagle_output.sequences.shape[1] - prompt_length
+        plain_tokens = {name: output.sequences.shape[1] - prompt_length for name, output in plain_outputs.items()}
         runs.append({
-            "prompt": prompt,
-            "text": tokenizer.decode(eagle_output[0, input_ids.shape[1]:], skip_special_tokens=True),
-            "identical_to_plain": torch.equal(plain_outputs[chosen], eagle_output),
+            "set": prompt_set,
+            "prompt": text,
+            "text": tokenizer.decode(eagle_output.sequences[0, prompt_length:], skip_special_tokens=True),
+            "new_tokens": new_tokens,
+            "comparison": _comparison(plain_outputs[chosen], eagle_output, prompt_length, DTYPES[chosen]),
             "plain_tokens_per_second": {name: plain_tokens[name] / statistics.median(plain_seconds[name])
                                         for name in dtypes},
             "eagle_tokens_per_second": new_tokens / statistics.median(eagle_seconds),
             "plain_seconds": {name: statistics.median(times) for name, times in plain_seconds.items()},
             "eagle_seconds": statistics.median(eagle_seconds),
             "tau": statistics.median(taus),
+            "switched_to_plain": switched,
         })
     fastest_plain = max(dtypes, key=lambda name: statistics.median(run["plain_tokens_per_second"][name]
                                                                    for run in runs))
     for run in runs:
         run["speedup"] = run["plain_seconds"][fastest_plain] / run["eagle_seconds"]
         run["speedup_same_dtype"] = run["plain_seconds"][chosen] / run["eagle_seconds"]
+    by_set = {prompt_set: statistics.median(run["speedup"] for run in runs if run["set"] == prompt_set)
+              for prompt_set in dict.fromkeys(run["set"] for run in runs)}
     return {
         "machine": machine_description(),
         "threads": torch.get_num_threads(),
@@ -99,6 +142,7 @@ def run_demo(
         "fastest_plain_dtype": fastest_plain,
         "runs": runs,
         "speedup": statistics.median(run["speedup"] for run in runs),
+        "speedup_by_set": by_set,
         "speedup_same_dtype": statistics.median(run["speedup_same_dtype"] for run in runs),
         "predicted_speedup": choices[chosen].predicted_speedup,
     }
@@ -106,22 +150,36 @@ def run_demo(
 
 def _describe_choice(name: str, choice: TreeChoice) -> str:
     costs = choice.costs
-    head = f"  {name:9s}: decode step {1000 * costs.plain_step:5.1f} ms"
+    if costs is None:
+        return f"  {name:9s}: {choice.reason}"
+    head = f"  {name:9s}: decode step {1000 * costs.plain_step:5.1f} ms (spread {costs.spread:.0%})"
     if choice.settings is None:
-        best = choice.predictions[0].tokens_per_second * costs.plain_step
-        return f"{head}; no tree is predicted to pay (the best at {best:.2f}x): plain decoding"
+        return f"{head}; {choice.reason}"
     shape = choice.settings
     return (f"{head}; verifying {shape.total_tokens + 1} tokens {1000 * costs.verify[shape.total_tokens + 1]:5.1f} ms, "
             f"drafting {1000 * costs.draft[shape.depth, shape.top_k]:4.1f} ms -> tree {shape.depth}x{shape.top_k}x"
             f"{shape.total_tokens} (depth x top-k x tokens), predicted {choice.predicted_speedup:.2f}x plain")
 
 
+def _describe_comparison(comparison: dict, dtype: str) -> str:
+    if comparison["identical"]:
+        return f"output identical to plain {dtype}"
+    if comparison["disagreement"] is None:
+        return f"output a prefix of plain {dtype}'s (it stopped at another length)"
+    return (f"output parts from plain {dtype} at token {comparison['position'] + 1} ({comparison['differing_tokens']} "
+            f"tokens differ from there): logit gap {comparison['plain_gap']:.3f} in plain decoding, "
+            f"{comparison['method_gap']:.3f} in EAGLE-3's verification"
+            + (" (a near-tie)" if comparison["near_tie"] else " (NOT a near-tie: a bug, please report it)"))
+
+
 def _run(args: argparse.Namespace) -> None:
     dtypes = list(DTYPES) if args.dtype == "auto" else [args.dtype]
-    result = run_demo(args.prompt or list(DEFAULT_PROMPTS), args.max_new_tokens, dtypes, args.repetitions,
-                      args.threads, args.exact_attention)
+    prompts = [("custom", text) for text in args.prompt] if args.prompt else demo_prompts(args.prompts_per_set)
+    result = run_demo(prompts, args.max_new_tokens, dtypes, args.repetitions, args.threads, args.exact_attention,
+                      args.cpu_layout)
     chosen, fastest = result["chosen_dtype"], result["fastest_plain_dtype"]
-    print(f"machine: {result['machine']}, {result['threads']} torch threads")
+    print(f"machine: {result['machine']}, {result['threads']} torch threads"
+          + (", linear weights column-major (--cpu-layout)" if args.cpu_layout else ""))
     print("calibration (measured here, cached; τ from the draft's acceptance profile):")
     for name, choice in result["choices"].items():
         print(_describe_choice(name, choice))
@@ -131,33 +189,50 @@ def _run(args: argparse.Namespace) -> None:
     print()
     for index, run in enumerate(result["runs"], 1):
         plain = ", ".join(f"{name} {tps:.1f}" for name, tps in run["plain_tokens_per_second"].items())
-        print(f"prompt {index}: {run['prompt']}")
+        prompt = run["prompt"]
+        print(f"prompt {index} ({run['set']}): {prompt[:100].strip()!r}{'...' if len(prompt) > 100 else ''}")
         print(f"  {run['text'][:160].strip()!r}{'...' if len(run['text']) > 160 else ''}")
         print(f"  plain generate (tokens/s): {plain}; EAGLE-3 ({chosen}): {run['eagle_tokens_per_second']:.1f}; "
-              f"speedup {run['speedup']:.2f}x over plain {fastest}; τ {run['tau']:.2f}; "
-              f"output identical to plain {chosen}: {run['identical_to_plain']}")
+              f"speedup {run['speedup']:.2f}x over plain {fastest}; τ {run['tau']:.2f}"
+              + ("; the shape lost to plain decoding here, so the call went on plainly" if run["switched_to_plain"]
+                 else ""))
+        print(f"  {_describe_comparison(run['comparison'], chosen)}")
     print()
     predicted, measured = result["predicted_speedup"], result["speedup_same_dtype"]
-    print(f"speedup over the fastest plain decoding here ({fastest}): {result['speedup']:.2f}x "
-          f"(median over {len(result['runs'])} prompts of {args.repetitions} interleaved runs)")
-    print(f"over plain {chosen}: measured {measured:.2f}x, predicted by the calibration {predicted:.2f}x "
-          f"({100 * (predicted - measured) / measured:+.0f} %)")
-    if not all(run["identical_to_plain"] for run in result["runs"]) and chosen != "float32":
-        print("(in reduced precision the multi-token verification forward rounds differently from one-token decoding, "
-              "so near-ties can flip; --exact-attention or --dtype float32 give plain decoding's output bit for bit)")
+    sets = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in result["speedup_by_set"].items())
+    if result["choices"][chosen].settings is None:
+        print(f"EAGLE-3 decoded plainly here, so there is no speedup to show: the measured ratio to plain {fastest}, "
+              f"{result['speedup']:.2f}x ({sets}), is this machine's timing noise")
+    else:
+        print(f"speedup over the fastest plain decoding here ({fastest}): {result['speedup']:.2f}x, the median over "
+              f"{len(result['runs'])} prompts ({sets}) of {args.repetitions} interleaved runs each")
+        print(f"over plain {chosen}: measured {measured:.2f}x, predicted by the calibration {predicted:.2f}x "
+              f"({100 * (predicted - measured) / measured:+.0f} %)")
+    parted = [run["comparison"] for run in result["runs"] if not run["comparison"]["identical"]]
+    if parted:
+        near_ties = sum(1 for comparison in parted if comparison.get("near_tie"))
+        print(f"{len(parted)} of {len(result['runs'])} outputs part from plain {chosen} decoding, {near_ties} of them "
+              "at near-ties: in reduced precision the multi-token verification forward rounds differently from "
+              "one-token decoding, so near-ties can flip; --exact-attention or --dtype float32 give plain decoding's "
+              "output bit for bit")
 
 
 def register_cli(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="EAGLE-3 vs plain generate on the embedded SmolLM2 target.",
                                    description=__doc__)
     parser.add_argument("--prompt", action="append",
-                        help=f"a user message (repeatable; default: {len(DEFAULT_PROMPTS)} built-in prompts)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+                        help="a user message (repeatable; default: the first MT-bench and HumanEval prompts)")
+    parser.add_argument("--prompts-per-set", type=int, default=DEMO_PROMPTS_PER_SET,
+                        help="MT-bench and HumanEval prompts each, without --prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: the dtype EAGLE-3 is predicted fastest in on this machine, measured")
-    parser.add_argument("--repetitions", type=int, default=3,
+    parser.add_argument("--repetitions", type=int, default=2,
                         help="timed runs of each decoding per prompt, interleaved (the median counts)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--exact-attention", action="store_true",
                         help="verify with exact_attention=True (bf16 output identical to plain decoding, slower)")
+    parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=False,
+                        help="lay the linear weights out column-major first (`hf_eagle3.optimize`), for plain decoding "
+                             "and EAGLE-3 alike")
     parser.set_defaults(run=_run)

@@ -1,6 +1,10 @@
 """`hf-eagle3 tune-tree`: a draft's acceptance profile (τ of every tree shape, `Eagle3Config.acceptance_profile`) and
 the tree shape that decodes fastest for a target, a draft and a machine (the analogue of the official code's automatic
 tree size; the speed model and the measured costs are `calibration`'s).
+
+`--show-calibration` prints the cached costs `tree_shape="auto"` decides with on this machine (the record's path and
+content), `--recalibrate` measures them again and replaces the record, without profiling: for the model, dtype,
+thread count, batch size (`--batch-size`), compiled path (`--compiled`) and weight layout (`--cpu-layout`) given.
 """
 
 import argparse
@@ -10,7 +14,18 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.calibration import MIN_PREDICTED_SPEEDUP, MachineCosts, ShapePrediction, measure_costs, predict
+from ..decoding.calibration import (
+    MIN_PREDICTED_SPEEDUP,
+    MachineCosts,
+    ShapePrediction,
+    calibrate,
+    calibration_key,
+    calibration_path,
+    choose_tree,
+    measure_costs,
+    predict,
+)
+from ..decoding.cpu_layout import optimize
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import (
     add_model_arguments,
@@ -28,6 +43,7 @@ from ..training.profile import (
     acceptance_profile,
 )
 from ..utils.extras import require
+from .bench import compiled_kwargs
 
 
 def tune_tree(
@@ -63,6 +79,24 @@ def _check_save_to(directory: str | Path) -> None:
                               "model.safetensors); name a new directory, or a draft's folder to update it.")
 
 
+def show_calibration(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None) -> str:
+    """The path and content of the calibration record `tree_shape="auto"` reads for these models here."""
+    path = calibration_path(calibration_key(target, draft, batch_size, compile_config))
+    try:
+        content = path.read_text() if path.is_file() else None
+    except OSError as error:
+        content = f"(unreadable: {error})"
+    return f"calibration record: {path}\n" + (
+        content or "(none yet: the next tree_shape='auto' call measures it, or run tune-tree --recalibrate)")
+
+
+def recalibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None) -> str:
+    """Measure this machine's costs again, replace the cached record, and say what `tree_shape="auto"` now chooses."""
+    calibrate(target, draft, batch_size, compile_config, recalibrate=True)
+    choice = choose_tree(target, draft, batch_size=batch_size, compile_config=compile_config)
+    return f"{show_calibration(target, draft, batch_size, compile_config)}\n\ntree_shape='auto' now: {choice.reason}"
+
+
 def _run(args: argparse.Namespace) -> None:
     require("`hf-eagle3 tune-tree`", prompt_set_packages(args.prompts))
     if args.limit is not None and args.limit < 1:
@@ -71,6 +105,14 @@ def _run(args: argparse.Namespace) -> None:
     if args.save_to:
         _check_save_to(args.save_to)  # before minutes of measuring
     target, tokenizer, draft = load_models(args)
+    if args.cpu_layout:
+        optimize(target)
+        optimize(draft)
+    if args.show_calibration or args.recalibrate:
+        compile_config = compiled_kwargs()["compile_config"] if args.compiled else None
+        report = recalibrate if args.recalibrate else show_calibration
+        print(report(target, draft, args.batch_size, compile_config))
+        return
     ngram_candidates = draft.config.ngram_candidates if args.ngram_candidates is None else args.ngram_candidates
     prompts = [p for name in args.prompts
                for p in load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)]
@@ -145,6 +187,16 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=None,
                         help="profile trees with context n-gram continuations or without (`ngram_candidates`; default: "
                              "the draft's setting); --save-to then makes it the draft's default")
+    parser.add_argument("--show-calibration", action="store_true",
+                        help="print the cached costs tree_shape='auto' decides with here (path and content), and exit")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="measure this machine's costs again for the draft's acceptance profile, replace the "
+                             "cached record, print it, and exit (no profiling)")
+    parser.add_argument("--batch-size", type=int, default=1, help="batch size of --show-calibration / --recalibrate")
+    parser.add_argument("--compiled", action="store_true",
+                        help="--show-calibration / --recalibrate for the compiled path (bench's `+compiled`)")
+    parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=False,
+                        help="lay the models' linear weights out column-major first (`hf_eagle3.optimize`)")
     parser.add_argument("--output", help="write every shape's figures to this JSON file")
     parser.add_argument("--save-to", help="save the draft, in the dtype it is stored in, with its acceptance profile "
                                           "and tree_shape='auto' (and this machine's best shape as fixed defaults, "

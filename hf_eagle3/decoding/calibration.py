@@ -9,41 +9,69 @@ tokens per second, against `1 / t_plain` for plain decoding. τ belongs to the d
 *acceptance profile*, `Eagle3Config.acceptance_profile`, recorded by `hf-eagle3 tune-tree`): it does not depend on
 the hardware. The times do, a lot: a 13-token verification costs 1.1 decode steps on a CPU with AMX and 2.6 on one
 without, and bfloat16 is several times slower than float32 where the CPU has no bf16 matrix unit. So they are
-measured where decoding runs, for the dtype, device, thread count and batch size in use (`measure_costs`, about ten
-seconds), and cached under `$HF_EAGLE3_CACHE/calibration`, keyed by everything they depend on (`calibrate`).
+measured where decoding runs, on the path that will run (`calibration_key`: dtype, device, threads, batch size, eager
+or compiled, the weight layout of `cpu_layout.optimize`), and cached under `$HF_EAGLE3_CACHE/calibration`.
 
 A batch of `B` rows verifies every row's tree in one forward of `B (N + 1)` tokens and drafts row after row, so the
-costs of a batch are measured at its size: a forward's cost grows with `B (N + 1)`, and on a CPU a large batch can
-leave no room for a tree at all. Rows decode independently, so a batch emits `B τ` tokens per cycle against `B` per
-plain step: the prediction above holds with the batch's costs.
+costs of a batch are measured at its size. Rows decode independently, so a batch emits `B τ` tokens per cycle against
+`B` per plain step: the prediction above holds with the batch's costs.
+
+Measuring on a noisy machine: every cost is sampled in `CALIBRATION_ROUNDS` interleaved rounds after a round that
+only warms every shape up, so that a change of load hits every cost alike, and the medians count. The decode step is
+plain `generate`'s own, the median time between its tokens (a clock in its stopping criteria). A measurement whose
+spread (interquartile range over median, `MachineCosts.spread`) exceeds `MAX_SPREAD` is taken again once; still
+noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so.
+Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's and switches to plain decoding when the shape loses.
+
+The cache is an optimisation, never a point of failure: a record that cannot be read or is invalid is reported once,
+naming the file, and measured again; a cache that cannot be written (read-only, full, a file in the way) is reported
+once and the costs are kept in memory for the process. Profiles are checked before anything is allocated
+(`profile_problem`); a prediction above `MAX_PREDICTED_SPEEDUP`, or not finite, is never acted on.
+`hf-eagle3 tune-tree --recalibrate` measures again and replaces the record; `--show-calibration` prints it.
 
 `choose_tree` picks the predicted-fastest shape, or none when no shape is predicted to beat plain decoding by
 `MIN_PREDICTED_SPEEDUP`: `generate(..., tree_shape="auto")` then decodes plainly.
 """
 
+import contextlib
 import json
+import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.utils import logging
 
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..utils.cache import cache_dir
 from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
-from .drafter import Eagle3Drafter, TreeSettings
+from .cpu_layout import weight_layout
+from .drafter import Eagle3Drafter, TreeSettings, max_candidates
 from .tree import tree_attention_mask
 
-# A shape must be predicted this much faster than plain decoding to be used: predictions are within about 10 % of
-# measured speed, and "auto" must never be slower than plain decoding.
-MIN_PREDICTED_SPEEDUP = 1.05
+# A shape must be predicted this much faster than plain decoding to be used; a prediction above the maximum (or not
+# finite) comes from a damaged record or a broken measurement and is never acted on.
+MIN_PREDICTED_SPEEDUP, MAX_PREDICTED_SPEEDUP = 1.05, 20.0
 CALIBRATION_PREFIX = 160  # cached tokens the costs are measured after: a prompt and part of an answer
+CALIBRATION_NEW_TOKENS = 16  # tokens of the plain and EAGLE-3 `generate` calls of each round
+CALIBRATION_ROUNDS = 5  # interleaved rounds of every measurement, after one that warms up
+MAX_SPREAD = 0.25  # the largest interquartile range / median of a cost that is trusted
+CALIBRATION_METHOD = 2  # in the key: records of an earlier way of measuring are measured again
+SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
+MAX_TREE_TOKENS, MAX_TREE_DEPTH = 512, 64  # profile rows beyond these are refused before anything is allocated
+MAX_RECORD_BYTES = 1 << 20
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # what decides a CPU's float32 / bfloat16 speed
+logger = logging.get_logger(__name__)
+# Costs measured in this process that could not be written to the cache, or stayed noisy, by record path: the
+# process measures them once, not at every call
+_KEPT_IN_MEMORY: dict[Path, "MachineCosts"] = {}
 
 
 def machine_description(device: torch.device | str = "cpu") -> str:
@@ -65,13 +93,26 @@ def machine_description(device: torch.device | str = "cpu") -> str:
     return model
 
 
+def _seconds(value, name: str, low: float = SECONDS_RANGE[0]) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= SECONDS_RANGE[1]:
+        raise ValueError(f"{name} must be seconds in [{low:g}, {SECONDS_RANGE[1]:g}], got {value!r}")
+    return float(value)
+
+
+def _count(value, name: str, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ValueError(f"{name} must be an integer in [1, {high}], got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class MachineCosts:
     """Seconds, measured on one machine for one target, draft, dtype, thread count and batch size.
 
     `plain_step`: one token per row of plain greedy `generate`; `verify[n]`: one target forward over `n` tokens per
     row (a tree of `n - 1` nodes and its root); `draft[(depth, top_k)]`: the draft's work in one cycle, every row;
-    `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping).
+    `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping); `spread`: the interquartile range over
+    median, over the measurement's rounds, of the predicted speedup of the shape the medians choose (`MAX_SPREAD`).
     """
 
     machine: str
@@ -79,18 +120,33 @@ class MachineCosts:
     verify: dict[int, float]
     draft: dict[tuple[int, int], float]
     other: float
+    spread: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self) | {"draft": [[*shape, seconds] for shape, seconds in self.draft.items()]}
 
     @classmethod
-    def from_json(cls, record: dict) -> "MachineCosts":
+    def from_json(cls, record) -> "MachineCosts":
+        """The costs of a cache record, every field checked (a `ValueError` or `TypeError` names the first wrong)."""
+        if not isinstance(record, dict) or not isinstance(record.get("machine"), str):
+            raise TypeError("the costs must be an object with a machine name")
+        verify, draft = record.get("verify"), record.get("draft")
+        if not isinstance(verify, dict) or not isinstance(draft, list):
+            raise TypeError("verify must map token counts to seconds, draft list [depth, top_k, seconds]")
+        if not all(isinstance(entry, list) and len(entry) == 3 for entry in draft):
+            raise ValueError("draft must list [depth, top_k, seconds]")
+        spread = record.get("spread", 0.0)
+        if isinstance(spread, bool) or not isinstance(spread, int | float) or not 0 <= spread < math.inf:
+            raise ValueError(f"spread must be a finite number >= 0, got {spread!r}")
         return cls(
             machine=record["machine"],
-            plain_step=record["plain_step"],
-            verify={int(n): seconds for n, seconds in record["verify"].items()},
-            draft={(depth, top_k): seconds for depth, top_k, seconds in record["draft"]},
-            other=record["other"],
+            plain_step=_seconds(record.get("plain_step"), "plain_step"),
+            verify={_count(int(n) if n.isdigit() else n, "a verified token count", MAX_TREE_TOKENS + 1):
+                    _seconds(seconds, f"verify[{n}]") for n, seconds in verify.items()},
+            draft={(_count(depth, "a tree depth", MAX_TREE_DEPTH), _count(top_k, "a top-k", MAX_TREE_TOKENS)):
+                   _seconds(seconds, f"draft[{depth}, {top_k}]") for depth, top_k, seconds in draft},
+            other=_seconds(record.get("other"), "other", low=0.0),
+            spread=float(spread),
         )
 
 
@@ -107,13 +163,43 @@ class ShapePrediction:
 
 @dataclass(frozen=True)
 class TreeChoice:
-    """What `choose_tree` decided: `settings` (None: decode plainly), why, and every shape's prediction."""
+    """What `choose_tree` decided: `settings` (None: decode plainly), why, and every shape's prediction. `costs` are
+    `None` when nothing was measured (an unusable profile); `path` is the cache record they came from or went to."""
 
     settings: TreeSettings | None
     predicted_speedup: float  # of the chosen shape over plain decoding (1.0 when decoding plainly)
     reason: str
-    costs: MachineCosts
+    costs: MachineCosts | None
     predictions: list[ShapePrediction]
+    path: Path | None = None
+
+    @property
+    def prediction(self) -> ShapePrediction | None:
+        """The chosen shape's prediction (`None` when decoding plainly)."""
+        return self.predictions[0] if self.settings is not None else None
+
+
+def profile_problem(profile, draft_vocab_size: int) -> str | None:
+    """What makes an acceptance profile unusable here (`None`: nothing): every row a shape whose sizes are integers
+    within `MAX_TREE_DEPTH` / `MAX_TREE_TOKENS` and the draft's vocabulary, that a tree of its depth and top-k holds,
+    with a finite τ in [1, tokens + 1]. Checked before any shape is measured or allocated."""
+    if not isinstance(profile, list) or not profile:
+        return "the acceptance profile is empty or not a list of rows"
+    for row in profile:
+        try:
+            if not isinstance(row, dict):
+                raise TypeError("not an object")
+            depth = _count(row.get("tree_depth"), "tree_depth", MAX_TREE_DEPTH)
+            top_k = _count(row.get("tree_top_k"), "tree_top_k", min(MAX_TREE_TOKENS, draft_vocab_size))
+            total = _count(row.get("tree_total_tokens"), "tree_total_tokens", MAX_TREE_TOKENS)
+            if total > max_candidates(depth, top_k):
+                raise ValueError(f"{total} tokens do not fit a tree of depth {depth} and top-k {top_k}")
+            tau = row.get("tau")
+            if isinstance(tau, bool) or not isinstance(tau, int | float) or not 1 <= tau <= total + 1:
+                raise ValueError(f"tau must be a number in [1, tree_total_tokens + 1 = {total + 1}], got {tau!r}")
+        except (TypeError, ValueError) as error:
+            return f"the acceptance profile row {str(row)[:200]} is invalid ({error})"
+    return None
 
 
 def profile_shapes(profile: list[dict], ngram_candidates: bool | None = None) -> list[tuple[TreeSettings, float]]:
@@ -122,6 +208,17 @@ def profile_shapes(profile: list[dict], ngram_candidates: bool | None = None) ->
     return [(TreeSettings(row["tree_depth"], row["tree_top_k"], row["tree_total_tokens"]), row["tau"])
             for row in profile
             if ngram_candidates is None or row.get("ngram_candidates", False) == ngram_candidates]
+
+
+def _missing_costs(profile: list[dict], costs: MachineCosts) -> list[str]:
+    """The costs `predict` needs for the shapes of `profile` that `costs` lacks."""
+    missing = []
+    for shape, _ in profile_shapes(profile):
+        if shape.total_tokens + 1 not in costs.verify:
+            missing.append(f"verify[{shape.total_tokens + 1}]")
+        if (shape.depth, shape.top_k) not in costs.draft:
+            missing.append(f"draft[{shape.depth}, {shape.top_k}]")
+    return sorted(set(missing))
 
 
 def predict(profile: list[dict], costs: MachineCosts, ngram_candidates: bool = False) -> list[ShapePrediction]:
@@ -144,43 +241,80 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _timed(device: torch.device, function: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    function()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _spread(samples: list[float]) -> float:
+    """Interquartile range over median (0 for fewer than two samples)."""
+    if len(samples) < 2:
+        return 0.0
+    quartiles = statistics.quantiles(samples, n=4, method="inclusive")
+    return (quartiles[2] - quartiles[0]) / max(statistics.median(samples), 1e-12)
+
+
+def _interleaved(probes: dict, rounds: int) -> dict:
+    """Samples of every probe (a callable returning seconds), `rounds` times each, interleaved round by round after
+    a round that only warms every probe up."""
+    samples = {name: [] for name in probes}
+    for round_index in range(rounds + 1):
+        for name, probe in probes.items():
+            seconds = probe()
+            if round_index:
+                samples[name].append(seconds)
+    return samples
+
+
+def _verification_probes(
+    target, sizes: list[int], prefix_length: int, layer_ids: list[int] | None, batch_size: int, compile_config=None,
+) -> dict[int, Callable[[], float]]:
+    """One probe per size `n`: a target forward over `n` new tokens per row after a cached `prefix_length`-token
+    prefix, as verification runs it (a 4D tree mask, the hidden states at `layer_ids`; with `compile_config`, through
+    a static cache and the compiled forward, as compiled verification does)."""
+    device = target.device
+    vocab_size = target.config.get_text_config().vocab_size
+    static_length = prefix_length + max(sizes) if compile_config is not None else None
+    cache = (StaticCache(config=target.config, max_cache_len=static_length) if static_length else DynamicCache())
+    forward = target.get_compiled_call(compile_config) if compile_config is not None else target
+    target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), cache=cache)
+    prefix_visible = torch.ones(prefix_length, dtype=torch.bool, device=device)
+
+    def probe(n: int) -> float:
+        chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # any tree's mask costs the same
+        mask = tree_attention_mask(chain, prefix_visible, target.dtype)
+        if static_length:
+            mask = torch.nn.functional.pad(mask, (0, static_length - mask.shape[-1]),
+                                           value=torch.finfo(target.dtype).min)
+        mask = mask.expand(batch_size, -1, -1, -1)
+        tokens = torch.randint(0, vocab_size, (batch_size, n), device=device)
+        positions = torch.arange(prefix_length, prefix_length + n, device=device)[None].expand(batch_size, -1)
+        seconds = _timed(device, lambda: forward(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                                 cache=cache, output_hidden_states=layer_ids, use_cache=True))
+        cache.crop(-n)
+        return seconds
+
+    return {n: (lambda n=n: probe(n)) for n in sizes}
+
+
 @torch.no_grad()
 def verification_cost(
-    target, sizes: list[int], prefix_length: int = CALIBRATION_PREFIX, repetitions: int = 5,
+    target, sizes: list[int], prefix_length: int = CALIBRATION_PREFIX, repetitions: int = CALIBRATION_ROUNDS,
     layer_ids: list[int] | None = None, batch_size: int = 1,
 ) -> dict[int, float]:
     """Median seconds of one target forward over `n` new tokens per row of `batch_size` after a cached
     `prefix_length`-token prefix, for each `n` in `sizes`, as verification runs it (a 4D tree mask; the hidden states
     at `layer_ids`), interleaved repetitions after a warm-up of every size."""
-    device = target.device
-    vocab_size = target.config.get_text_config().vocab_size
-    cache = DynamicCache()
-    target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), cache=cache)
-    prefix_visible = torch.ones(prefix_length, dtype=torch.bool, device=device)
-    seconds = {n: [] for n in sizes}
-    for repetition in range(repetitions + 1):
-        for n in sizes:
-            chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # any tree's mask costs the same
-            mask = tree_attention_mask(chain, prefix_visible, target.dtype).expand(batch_size, -1, -1, -1)
-            tokens = torch.randint(0, vocab_size, (batch_size, n), device=device)
-            positions = torch.arange(prefix_length, prefix_length + n, device=device)[None].expand(batch_size, -1)
-            start = time.perf_counter()
-            target(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
-                   output_hidden_states=layer_ids, use_cache=True)
-            _synchronize(device)
-            if repetition:  # the first round only warms up
-                seconds[n].append(time.perf_counter() - start)
-            cache.crop(-n)
-    return {n: statistics.median(times) for n, times in seconds.items()}
+    samples = _interleaved(_verification_probes(target, sizes, prefix_length, layer_ids, batch_size), repetitions)
+    return {n: statistics.median(times) for n, times in samples.items()}
 
 
-@torch.no_grad()
-def drafting_cost(
-    draft: Eagle3DraftModel, shapes: list[TreeSettings], accepted_per_cycle: int = 2,
-    prefix_length: int = CALIBRATION_PREFIX, repetitions: int = 5,
-) -> dict[TreeSettings, float]:
-    """Median seconds the draft spends per cycle with each tree shape (interleaved repetitions after a warm-up):
-    feeding `accepted_per_cycle` verified positions, then growing the tree (the draft's embedding must be attached)."""
+def _drafting_probes(draft: Eagle3DraftModel, shapes: list[TreeSettings], accepted_per_cycle: int,
+                     prefix_length: int) -> dict[TreeSettings, Callable[[], float]]:
+    """One probe per shape: the draft's work in one cycle, feeding `accepted_per_cycle` verified positions, then
+    growing the tree (the draft's embedding must be attached)."""
     device, dtype = draft.device, draft.fc.weight.dtype
     vocab_size, feature_size = draft.config.vocab_size, 3 * draft.config.target_hidden_size
     drafters = {shape: Eagle3Drafter(draft, shape) for shape in shapes}
@@ -189,71 +323,128 @@ def drafting_cost(
                        torch.randn(1, prefix_length, feature_size, device=device, dtype=dtype),
                        torch.arange(prefix_length, device=device)[None])
     positions = torch.arange(prefix_length, prefix_length + accepted_per_cycle, device=device)[None]
-    seconds = {shape: [] for shape in shapes}
-    for repetition in range(repetitions + 1):
-        for shape, drafter in drafters.items():
-            tokens = torch.randint(0, vocab_size, (1, accepted_per_cycle), device=device)
-            features = torch.randn(1, accepted_per_cycle, feature_size, device=device, dtype=dtype)
-            start = time.perf_counter()
+
+    def probe(drafter: Eagle3Drafter) -> float:
+        tokens = torch.randint(0, vocab_size, (1, accepted_per_cycle), device=device)
+        features = torch.randn(1, accepted_per_cycle, feature_size, device=device, dtype=dtype)
+
+        def cycle():
             drafter.extend(tokens, features, positions)
             drafter.draft_tree(tokens[0, -1], prefix_length + accepted_per_cycle)
-            _synchronize(device)
-            if repetition:  # the first round only warms up
-                seconds[shape].append(time.perf_counter() - start)
-            drafter.num_verified = prefix_length  # the next extend drops this cycle's entries
-    return {shape: statistics.median(times) for shape, times in seconds.items()}
+
+        seconds = _timed(device, cycle)
+        drafter.num_verified = prefix_length  # the next extend drops this cycle's entries
+        return seconds
+
+    return {shape: (lambda drafter=drafter: probe(drafter)) for shape, drafter in drafters.items()}
 
 
 @torch.no_grad()
-def _generate_seconds(target, prompt: torch.Tensor, new_tokens: int, repetitions: int, **kwargs) -> float:
-    """Median seconds of a greedy `generate` of exactly `new_tokens` tokens after `prompt` (after a warm-up run)."""
-    runs = []
-    for repetition in range(repetitions + 1):
-        start = time.perf_counter()
+def drafting_cost(
+    draft: Eagle3DraftModel, shapes: list[TreeSettings], accepted_per_cycle: int = 2,
+    prefix_length: int = CALIBRATION_PREFIX, repetitions: int = CALIBRATION_ROUNDS,
+) -> dict[TreeSettings, float]:
+    """Median seconds the draft spends per cycle with each tree shape (interleaved repetitions after a warm-up):
+    feeding `accepted_per_cycle` verified positions, then growing the tree (the draft's embedding must be attached)."""
+    samples = _interleaved(_drafting_probes(draft, shapes, accepted_per_cycle, prefix_length), repetitions)
+    return {shape: statistics.median(times) for shape, times in samples.items()}
+
+
+class _TokenClock(StoppingCriteria):
+    """Stopping criteria that never stop: the time at which `generate` produced each token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def compiled_generate_kwargs(compile_config) -> dict:
+    """`generate` settings of the compiled path calibrated with `compile_config` (`None`: eager, none)."""
+    return {} if compile_config is None else {"cache_implementation": "static", "compile_config": compile_config}
+
+
+def _plain_step_probe(target, prompt: torch.Tensor, new_tokens: int, compile_config) -> Callable[[], float]:
+    """A probe: the median time between the tokens of a plain greedy `generate` (the decode step, everything
+    `generate` does per token included, the prefill not)."""
+
+    def probe() -> float:
+        clock = _TokenClock()
         target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, **kwargs)
-        if repetition:
-            runs.append(time.perf_counter() - start)
-    return statistics.median(runs) if runs else 0.0
+                        min_new_tokens=new_tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
+                        **compiled_generate_kwargs(compile_config))
+        return statistics.median(later - earlier for earlier, later in zip(clock.times, clock.times[1:]))
+
+    return probe
 
 
+def _other_probe(target, draft: Eagle3DraftModel, prompt: torch.Tensor, shape: TreeSettings, new_tokens: int,
+                 compile_config) -> Callable[[], float]:
+    """A probe: the seconds per cycle an EAGLE-3 `generate` with `shape` spends outside drafting and verification."""
+
+    def probe() -> float:
+        stats = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, assistant_model=draft,
+                                tree_depth=shape.depth, tree_top_k=shape.top_k, tree_total_tokens=shape.total_tokens,
+                                return_dict_in_generate=True, **compiled_generate_kwargs(compile_config)).eagle3_stats
+        return max(stats.other_seconds, 0.0) / max(stats.num_cycles, 1)
+
+    return probe
+
+
+@torch.no_grad()
 def measure_costs(
     target, draft: Eagle3DraftModel, profile: list[dict], prefix_length: int = CALIBRATION_PREFIX,
-    repetitions: int = 5, batch_size: int = 1,
+    rounds: int = CALIBRATION_ROUNDS, batch_size: int = 1, compile_config=None,
 ) -> MachineCosts:
-    """Measure, on this machine, everything `predict` needs for the shapes of `profile` at `batch_size` (about ten
-    seconds for SmolLM2-135M on two CPU cores at batch size 1). The draft's work is measured for one row: rows draft
-    one after another."""
+    """Measure, on this machine, everything `predict` needs for the shapes of `profile` at `batch_size`, on the eager
+    path or the one compiled with `compile_config`: every cost in `rounds` interleaved rounds after a warm-up round,
+    medians, and the spread of the prediction they make (about twenty seconds for SmolLM2-135M on two quiet CPU
+    cores at batch size 1). The draft's work is measured for one row: rows draft one after another."""
     draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
     sizes = sorted({1} | {shape.total_tokens + 1 for shape in shapes})
-    verify = verification_cost(target, sizes, prefix_length, repetitions, draft.config.target_layer_ids, batch_size)
     tree_shapes = {(shape.depth, shape.top_k): shape for shape in shapes}  # the draft's work ignores the size
-    draft_seconds = drafting_cost(draft, list(tree_shapes.values()), prefix_length=prefix_length,
-                                  repetitions=repetitions)
-    # Plain decoding's step and a cycle's remainder, from real generate calls over a random prompt
     vocab_size = target.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab_size, (batch_size, prefix_length), device=target.device)
-    new_tokens = 24
-    prefill = _generate_seconds(target, prompt, 1, 3)
-    plain = _generate_seconds(target, prompt, 1 + new_tokens, 3)
     typical = sorted(shapes, key=lambda shape: shape.total_tokens)[len(shapes) // 2]
-    stats = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, do_sample=False, assistant_model=draft, tree_depth=typical.depth, tree_top_k=typical.top_k,
-                            tree_total_tokens=typical.total_tokens, return_dict_in_generate=True).eagle3_stats
-    return MachineCosts(
-        machine=machine_description(target.device),
-        plain_step=max(plain - prefill, 1e-9) / new_tokens,
-        verify=verify,
-        draft={key: batch_size * draft_seconds[shape] for key, shape in tree_shapes.items()},
-        other=stats.other_seconds / max(stats.num_cycles, 1),
-    )
+    probes = {
+        "plain": _plain_step_probe(target, prompt, CALIBRATION_NEW_TOKENS, compile_config),
+        "other": _other_probe(target, draft, prompt, typical, CALIBRATION_NEW_TOKENS, compile_config),
+    }
+    probes |= {("verify", n): probe for n, probe in _verification_probes(
+        target, sizes, prefix_length, draft.config.target_layer_ids, batch_size, compile_config).items()}
+    probes |= {("draft", shape): probe for shape, probe in _drafting_probes(
+        draft, list(tree_shapes.values()), 2, prefix_length).items()}
+    samples = _interleaved(probes, rounds)
+
+    def costs_of(pick: Callable[[list[float]], float]) -> MachineCosts:
+        return MachineCosts(
+            machine=machine_description(target.device),
+            plain_step=max(pick(samples["plain"]), SECONDS_RANGE[0]),
+            verify={n: max(pick(samples["verify", n]), SECONDS_RANGE[0]) for n in sizes},
+            draft={key: max(batch_size * pick(samples["draft", shape]), SECONDS_RANGE[0])
+                   for key, shape in tree_shapes.items()},
+            other=pick(samples["other"]),
+        )
+
+    costs = costs_of(statistics.median)
+    # The spread that matters: of the predicted speedup of the shape the medians choose, round by round
+    best = predict(profile, costs, ngram_candidates=True)[0].settings
+    speedups = [prediction.tokens_per_second * round_costs.plain_step
+                for round_costs in (costs_of(lambda times, r=r: times[r]) for r in range(rounds))
+                for prediction in predict(profile, round_costs, ngram_candidates=True) if prediction.settings == best]
+    return replace(costs, spread=_spread(speedups))
 
 
-def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1) -> dict:
-    """Everything the measured costs depend on: the machine, the software, the target and the draft (shape and
-    weights), the dtype, the device, the torch thread count and the batch size."""
+def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None) -> dict:
+    """Everything the measured costs depend on: the machine, the software, the target and the draft (shape, weights
+    and weight layout), the dtype, the device, the torch thread count, the batch size, eager or compiled, and the
+    way of measuring."""
     return {
+        "method": CALIBRATION_METHOD,
         "machine": machine_description(target.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -262,10 +453,14 @@ def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1) -> dic
         "dtype": str(target.dtype),
         "attention": target.config._attn_implementation,
         "target": model_fingerprint(target),
+        "target_layout": weight_layout(target),
         "draft": digest(draft.config.to_dict()),
         "draft_weights": tensor_digest(draft.fc.weight),
         "draft_dtype": str(draft.fc.weight.dtype),
+        "draft_layout": weight_layout(draft),
         "batch_size": batch_size,
+        "compiled": None if compile_config is None else {
+            name: getattr(compile_config, name, None) for name in ("fullgraph", "dynamic", "backend", "mode")},
     }
 
 
@@ -273,39 +468,112 @@ def calibration_path(key: dict) -> Path:
     return cache_dir() / "calibration" / f"{digest(key)}.json"
 
 
-def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1) -> tuple[MachineCosts, Path]:
-    """This machine's costs for `target` and `draft` at `batch_size` (see `measure_costs`), measured once and then
-    read from the cache file (returned too) for as long as nothing they depend on changes (`calibration_key`)."""
-    if not draft.config.acceptance_profile:
+def read_record(path: Path, key: dict, profile: list[dict]) -> MachineCosts | None:
+    """The costs cached at `path` for `key`, or `None`: no record, a record of another key (measured again quietly),
+    or one that is unreadable or invalid for `profile` (reported once, naming the file and what to do)."""
+    if not path.is_symlink() and not path.exists():
+        return None
+    try:
+        if path.is_symlink() or not path.is_file():
+            raise ValueError(f"it is a {'symbolic link' if path.is_symlink() else 'directory'}, not a file")
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            raise ValueError(f"it is larger than a record ({path.stat().st_size} bytes)")
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or "key" not in record or "costs" not in record:
+            raise ValueError("it is not an object with a key and costs")
+        if record["key"] != key:
+            return None
+        costs = MachineCosts.from_json(record["costs"])
+        missing = _missing_costs(profile, costs)
+        if missing:
+            raise ValueError(f"it lacks {', '.join(missing[:4])}")
+        return costs
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError) as error:
+        logger.warning_once(f"hf_eagle3: ignoring the calibration record {path}: {error}. The costs are measured "
+                            "again now; if this repeats, delete the file or run `hf-eagle3 tune-tree --recalibrate`.")
+        return None
+
+
+def write_record(path: Path, key: dict, costs: MachineCosts) -> bool:
+    """Write `costs` for `key` to `path` atomically (a killed or concurrent run never leaves half a file, a failed
+    write no `.partial` file). A failure is reported once, with the fix; returns whether the record was written."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"key": key, "costs": costs.to_json()}, indent=1))
+        partial.replace(path)
+        return True
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        logger.warning_once(
+            f"hf_eagle3: cannot write the calibration record {path} ({error.strerror or error}): the costs measured "
+            "now are kept for this process only. Set HF_EAGLE3_CACHE to a writable folder with free space (or remove "
+            "what is in the record's place) to keep them.")
+        return False
+
+
+def forget_calibration(path: Path) -> None:
+    """Drop the record at `path` (a call found its costs wrong): the next call measures again."""
+    _KEPT_IN_MEMORY.pop(path, None)
+    with contextlib.suppress(OSError):
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+
+
+def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None, recalibrate: bool = False,
+              measure: Callable[..., MachineCosts] = measure_costs) -> tuple[MachineCosts, Path]:
+    """This machine's costs for `target` and `draft` at `batch_size` on the eager path or the one compiled with
+    `compile_config` (`measure`, by default `measure_costs`), measured once and then read from the cache file
+    (returned too) for as long as nothing they depend on changes (`calibration_key`); `recalibrate` measures again
+    and replaces the record. A noisy measurement (`MAX_SPREAD`) is taken again once, and a noisy record measured
+    again once per process; costs that could not be written, or stayed noisy, are kept in memory for the process."""
+    profile = draft.config.acceptance_profile
+    if not profile:
         raise ValueError(
             "tree_shape='auto' needs the draft's acceptance profile, which this draft's config does not record: run "
             "`hf-eagle3 tune-tree --draft DIR --save-to DIR` once, or pass tree_depth / tree_top_k / "
             "tree_total_tokens."
         )
-    key = calibration_key(target, draft, batch_size)
+    problem = profile_problem(profile, draft.config.draft_vocab_size)
+    if problem:
+        raise ValueError(f"{problem}: record the profile again with `hf-eagle3 tune-tree --save-to DIR`.")
+    key = calibration_key(target, draft, batch_size, compile_config)
     path = calibration_path(key)
-    if path.is_file():
-        record = json.loads(path.read_text())
-        if record.get("key") == key:
-            return MachineCosts.from_json(record["costs"]), path
-    costs = measure_costs(target, draft, draft.config.acceptance_profile, batch_size=batch_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps({"key": key, "costs": costs.to_json()}, indent=1))
-    partial.replace(path)  # atomic: a concurrent or killed run never leaves half a file
+    if not recalibrate:
+        if path in _KEPT_IN_MEMORY:
+            return _KEPT_IN_MEMORY[path], path
+        costs = read_record(path, key, profile)
+        if costs is not None and costs.spread <= MAX_SPREAD:
+            return costs, path
+    for _ in range(2):
+        costs = measure(target, draft, profile, batch_size=batch_size, compile_config=compile_config)
+        if costs.spread <= MAX_SPREAD:
+            break
+    if write_record(path, key, costs) and costs.spread <= MAX_SPREAD:
+        _KEPT_IN_MEMORY.pop(path, None)
+    else:
+        _KEPT_IN_MEMORY[path] = costs
     return costs, path
 
 
 def choose_tree(
-    target, draft: Eagle3DraftModel, ngram_candidates: bool | None = None, batch_size: int = 1
+    target, draft: Eagle3DraftModel, ngram_candidates: bool | None = None, batch_size: int = 1, compile_config=None,
 ) -> TreeChoice:
-    """The predicted-fastest tree shape for `target` and `draft` on this machine at `batch_size`, with context n-gram
-    candidates in the tree or without (default: the draft's `ngram_candidates`), or none (decode plainly) when no
-    shape is predicted to beat plain decoding by `MIN_PREDICTED_SPEEDUP`."""
+    """The predicted-fastest tree shape for `target` and `draft` on this machine at `batch_size` (on the path compiled
+    with `compile_config`, if any), with context n-gram candidates in the tree or without (default: the draft's
+    `ngram_candidates`), or none (decode plainly) when no shape is predicted to beat plain decoding by
+    `MIN_PREDICTED_SPEEDUP`, when the profile is unusable, the measurement too noisy or the prediction absurd."""
     if ngram_candidates is None:
         ngram_candidates = draft.config.ngram_candidates
-    costs, _ = calibrate(target, draft, batch_size)
-    predictions = predict(draft.config.acceptance_profile, costs, ngram_candidates)
+    profile = draft.config.acceptance_profile
+    problem = profile and profile_problem(profile, draft.config.draft_vocab_size)
+    if problem:
+        reason = (f"EAGLE-3 decodes plainly: {problem}. Record the profile again with `hf-eagle3 tune-tree --save-to "
+                  "DIR`, or pass tree_depth / tree_top_k / tree_total_tokens.")
+        return TreeChoice(None, 1.0, reason, None, [])
+    costs, path = calibrate(target, draft, batch_size, compile_config)
+    predictions = predict(profile, costs, ngram_candidates)
     if not predictions:
         raise ValueError(
             "tree_shape='auto' without context n-gram candidates needs acceptance-profile rows measured without them; "
@@ -317,14 +585,25 @@ def choose_tree(
     shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"
              + (", context n-gram candidates" if ngram_candidates else ""))
     batch = f", batch size {batch_size}" if batch_size > 1 else ""
-    measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}: a decode step takes "
-                f"{1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
+    compiled = ", compiled" if compile_config is not None else ""
+    measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}{compiled}: a decode "
+                f"step takes {1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
                 f"{1000 * costs.verify[best.settings.total_tokens + 1]:.1f} ms, drafting "
                 f"{1000 * costs.draft[best.settings.depth, best.settings.top_k]:.1f} ms")
-    if speedup < MIN_PREDICTED_SPEEDUP:
-        reason = (f"EAGLE-3 decodes plainly here: the fastest tree ({shape}, τ {best.tau:.2f}) is predicted at "
-                  f"{speedup:.2f}x plain decoding ({measured}). Pass tree_depth / tree_top_k / tree_total_tokens to "
-                  "force a tree.")
-        return TreeChoice(None, 1.0, reason, costs, predictions)
+    force = "Pass tree_depth / tree_top_k / tree_total_tokens to force a tree."
+    if costs.spread > MAX_SPREAD:
+        reason = (f"EAGLE-3 decodes plainly here: this machine was too noisy to calibrate (costs spread by "
+                  f"{costs.spread:.0%} over the measurement's rounds, twice; at most {MAX_SPREAD:.0%} is trusted), "
+                  f"measured twice. Run `hf-eagle3 tune-tree --recalibrate` when it is quieter. {force}")
+        return TreeChoice(None, 1.0, reason, costs, predictions, path)
+    if not MIN_PREDICTED_SPEEDUP <= speedup <= MAX_PREDICTED_SPEEDUP:  # also false for nan
+        if speedup > MAX_PREDICTED_SPEEDUP or not math.isfinite(speedup):
+            why = (f"its prediction, {speedup:.3g}x, is not believable (the record {path} must be damaged: run "
+                   "`hf-eagle3 tune-tree --recalibrate`)")
+        else:
+            why = f"it is predicted at {speedup:.2f}x plain decoding ({measured})"
+        reason = (f"EAGLE-3 decodes plainly here: the fastest tree ({shape}, τ {best.tau:.2f}) is not used: {why}. "
+                  f"{force}")
+        return TreeChoice(None, 1.0, reason, costs, predictions, path)
     reason = f"tree {shape} (τ {best.tau:.2f}) predicted at {speedup:.2f}x plain decoding ({measured})"
-    return TreeChoice(best.settings, speedup, reason, costs, predictions)
+    return TreeChoice(best.settings, speedup, reason, costs, predictions, path)

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationMixin
+from transformers import CompileConfig, GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache, StaticLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
@@ -45,11 +45,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 from ..modeling_eagle3 import Eagle3DraftModel
-from .calibration import choose_tree
+from .calibration import TreeChoice, choose_tree, forget_calibration
 from .compatibility import adopt_target_layers, check_compatibility, record_target_special_tokens
 from .drafter import DraftProposal, Eagle3Drafter, TreeSettings, max_candidates
 from .exact_attention import exact_tree_attention
 from .ngram import ContinuationAcceptance, find_continuation
+from .online import Decision, OnlineCheck
 from .tree import DraftTree, tree_attention_mask
 from .verify import accept_among_children, accept_in_turn, children, greedy_accept
 
@@ -465,20 +466,22 @@ class _Row:
 
 
 def _resolve_tree_shape(model, draft: Eagle3DraftModel, overrides: dict, tree_shape: str | None,
-                        ngram_candidates: bool, batch_size: int) -> tuple[TreeSettings | None, str | None]:
-    """The call's tree and why: `"fixed"` (the default when any tree setting is passed) takes the call's settings
-    and the draft config's defaults; `"auto"` (the draft config's `tree_shape` otherwise) the shape
-    `calibration.choose_tree` predicts fastest here at this batch size, or `None` (decode plainly) and the reason."""
+                        ngram_candidates: bool, batch_size: int, compile_config: CompileConfig | None,
+                        ) -> tuple[TreeSettings | None, str | None, TreeChoice | None]:
+    """The call's tree, why, and the calibration's choice: `"fixed"` (the default when any tree setting is passed)
+    takes the call's settings and the draft config's defaults; `"auto"` (the draft config's `tree_shape` otherwise)
+    the shape `calibration.choose_tree` predicts fastest here at this batch size on the path that runs (eager, or
+    compiled with `compile_config`), or `None` (decode plainly) and the reason."""
     explicit = [name for name in TREE_KWARGS if name in overrides]
     shape = tree_shape or ("fixed" if explicit else draft.config.tree_shape)
     if shape not in ("fixed", "auto"):
         raise ValueError(f"tree_shape must be 'fixed' or 'auto', got {shape!r}.")
     if shape == "fixed":
-        return _tree_settings(draft, overrides), None
+        return _tree_settings(draft, overrides), None, None
     if explicit:
         raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(explicit)} or tree_shape.")
-    choice = choose_tree(model, draft, ngram_candidates, batch_size)
-    return choice.settings, choice.reason
+    choice = choose_tree(model, draft, ngram_candidates, batch_size, compile_config)
+    return choice.settings, choice.reason, choice
 
 
 def eagle3_generate(
@@ -539,8 +542,10 @@ def eagle3_generate(
                                 {name: value for name, value in call_settings.items() if value is not None})
     use_continuations = bool(layered.get("ngram_candidates", draft.config.ngram_candidates))
     overrides = {name: layered[name] for name in TREE_KWARGS if name in layered}
-    settings, shape_choice = _resolve_tree_shape(model, draft, overrides, layered.get("tree_shape"),
-                                                 use_continuations, input_ids.shape[0])
+    compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    settings, shape_choice, choice = _resolve_tree_shape(
+        model, draft, overrides, layered.get("tree_shape"), use_continuations, input_ids.shape[0],
+        (generation_config.compile_config or CompileConfig()) if compiled else None)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if settings is None:  # no tree pays here: plain decoding, the draft is not run
@@ -556,12 +561,21 @@ def eagle3_generate(
     return _decode(model, draft, settings, shape_choice, input_ids, logits_processor, stopping_criteria,
                    generation_config, streamer, bool(layered.get("exact_attention", False)), use_continuations,
                    record_greedy_cycles,
-                   model_kwargs)
+                   model_kwargs, choice)
+
+
+def _root_only(root_token: torch.Tensor) -> DraftProposal:
+    """A proposal of no drafted token: verifying it is one plain decoding step (after `OnlineCheck` chose plain)."""
+    device, empty = root_token.device, torch.zeros(0, dtype=torch.long, device=root_token.device)
+    tree = DraftTree(tokens=root_token.reshape(1), parents=empty.new_zeros(1), depths=empty.new_zeros(1),
+                     ancestors=torch.ones(1, 1, dtype=torch.bool, device=device), candidate_ids=empty,
+                     candidate_rank_keys=torch.zeros(0, dtype=torch.float64, device=device), candidate_depths=empty)
+    return DraftProposal(tree, None, None, empty)
 
 
 def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice: str | None, input_ids,
             logits_processor, stopping_criteria, generation_config, streamer, exact: bool, use_continuations: bool,
-            record_greedy_cycles: bool, model_kwargs: dict):
+            record_greedy_cycles: bool, model_kwargs: dict, choice: TreeChoice | None = None):
     """The decoding loop of `eagle3_generate`.
 
     Rows stop as plain batched decoding stops them: with an EOS criterion a row that stops is padded with the pad
@@ -624,8 +638,13 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
     root_positions = key_positions[:, -1] + 1  # [B]: position of each row's root (its last token, not yet cached)
     pending = [(next_tokens[b, None], next_scores[b, None], next_logits[b, None]) for b in range(batch_size)]
     in_batch = list(range(batch_size))  # the rows the target's cache holds, in its order
+    # A shape chosen by the calibration is checked against the call's own speed (`online`), and dropped if it loses
+    online = (OnlineCheck(choice.costs.plain_step, choice.prediction.cycle_seconds)
+              if choice is not None and choice.prediction is not None else None)
 
     while True:
+        cycle_start = time.perf_counter()
+        drafting = online is None or online.decision is Decision.KEEP
         for b, (new_tokens, step_scores, step_logits) in zip(in_batch, pending):
             emitted = rows[b].emit(new_tokens, step_scores, step_logits, stopping_criteria, max_length, keep_scores,
                                    keep_logits)
@@ -648,8 +667,11 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
             in_batch = [in_batch[i] for i in decoding]
 
         with stopwatch.time("draft_seconds"):
-            proposals = [rows[b].propose(int(position), use_continuations, max_match, max_continuation)
-                         for b, position in zip(in_batch, root_positions)]
+            if not drafting:
+                for b in in_batch:
+                    rows[b].match = 0
+            proposals = [rows[b].propose(int(position), use_continuations, max_match, max_continuation) if drafting
+                         else _root_only(rows[b].tokens[-1]) for b, position in zip(in_batch, root_positions)]
         trees = [proposal.tree for proposal in proposals]
         prefix_length = prefix_visible.shape[1]
         node_positions = root_positions[:, None] + torch.stack([tree.depths for tree in trees])  # [b, n]
@@ -686,8 +708,17 @@ def _decode(model, draft: Eagle3DraftModel, settings: TreeSettings, shape_choice
         with stopwatch.time("draft_seconds"):
             for index, (b, path) in enumerate(zip(in_batch, paths)):
                 positions = root_positions[index] + offsets[: path.numel()]
-                rows[b].drafter.extend(pending[index][0][None], features[index, path][None], positions[None])
+                if drafting:
+                    rows[b].drafter.extend(pending[index][0][None], features[index, path][None], positions[None])
         root_positions = root_positions + lengths
+        if drafting and online is not None and online.observe(
+                time.perf_counter() - cycle_start, float(lengths.float().mean())) is Decision.PLAIN:
+            stats.shape_choice = (f"{shape_choice}; measured in this call at {online.speedup:.2f}x plain decoding "
+                                  f"after {online.cycles} cycles, so it went on plainly")
+            logger.warning_once(f"{shape_choice}; slower than plain decoding in a call, which went on plainly (its "
+                                "statistics' shape_choice says by how much)")
+            if online.costs_disproved:
+                forget_calibration(choice.path)
 
     if batch_size == 1:  # a cycle cut short by a stop leaves entries past the last kept token: plain decoding has none
         cache.crop(min(0, rows[0].tokens.numel() - 1 - int(cache.get_seq_length())))

@@ -1,0 +1,42 @@
+"""`hf-eagle3 demo`: representative prompts (the sets the README reports), and in reduced precision where, by how
+many tokens and at what logit gap an output parts from plain decoding."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_eagle3.commands.cli import build_parser
+from hf_eagle3.commands.demo import DEMO_PROMPTS_PER_SET, _comparison, _describe_comparison, demo_prompts
+from hf_eagle3.resources.prompts import humaneval_prompts, mt_bench_first_turns
+
+
+def test_the_demo_prompts_are_the_first_mt_bench_and_humaneval_prompts():
+    prompts = demo_prompts()
+    assert [prompt_set for prompt_set, _ in prompts] == ["mt-bench"] * DEMO_PROMPTS_PER_SET + [
+        "humaneval"] * DEMO_PROMPTS_PER_SET
+    assert [text for _, text in prompts] == (mt_bench_first_turns()[:DEMO_PROMPTS_PER_SET]
+                                             + humaneval_prompts()[:DEMO_PROMPTS_PER_SET])
+    args = build_parser().parse_args(["demo"])
+    assert (args.prompts_per_set, args.max_new_tokens, args.repetitions, args.cpu_layout) == (4, 64, 2, False)
+    assert build_parser().parse_args(["demo", "--cpu-layout"]).cpu_layout
+
+
+def test_an_output_that_parts_from_plain_says_where_how_many_tokens_differ_and_the_gap(llama_target):
+    input_ids = torch.randint(1, 90, (1, 6), generator=torch.Generator().manual_seed(3))
+    plain = llama_target.generate(input_ids, max_new_tokens=10, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True)
+    assert _comparison(plain, copy.deepcopy(plain), 6, torch.bfloat16) == {"identical": True}
+    parted = copy.deepcopy(plain)  # a decoding that took the runner-up at token 4 (index 3), with the same logits
+    runner_up = int(plain.scores[3][0].topk(2).indices[1])
+    parted.sequences[0, 6 + 3] = runner_up
+    comparison = _comparison(plain, parted, 6, torch.bfloat16)
+    assert comparison["position"] == 3 and comparison["differing_tokens"] == 7
+    assert comparison["near_tie"] and comparison["disagreement"] == pytest.approx(0.0) and comparison["plain_gap"] > 0
+    described = _describe_comparison(comparison, "bfloat16")
+    assert "at token 4 (7 tokens differ from there)" in described and "(a near-tie)" in described
+    scores = list(parted.scores)
+    scores[3] = scores[3].clone()
+    scores[3][0, runner_up] += 5.0  # a decoding that preferred its token by far: no near-tie, a bug
+    parted.scores = tuple(scores)
+    assert "NOT a near-tie" in _describe_comparison(_comparison(plain, parted, 6, torch.bfloat16), "bfloat16")
