@@ -1,0 +1,44 @@
+"""Foreign checkpoints as `Eagle3DraftModel.from_pretrained` loads them: detected and converted in memory.
+
+`import hf_eagle3` registers [`read_foreign`] with `Eagle3DraftModel.register_checkpoint_reader`, so a folder or Hub
+repo in another project's format loads as `hf-eagle3 convert` would convert it. Target layers such a checkpoint does
+not record are taken from the target when `generate` first sees the draft.
+"""
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.utils import logging
+
+from ..configuration_eagle3 import Eagle3Config
+from .checkpoint import TargetInfo
+from .convert import read_checkpoint
+
+logger = logging.get_logger(__name__)
+
+
+def read_foreign(
+    source: str | Path, from_format: str | None, hub_kwargs: dict
+) -> tuple[Eagle3Config, dict[str, torch.Tensor]] | None:
+    """The draft at `source` converted in memory, as `(config, state_dict)`, when it is in another project's format
+    (or `from_format` names one); `None` for our own format, and for a `source` without a readable config (the
+    regular loader names that problem)."""
+    if from_format in (None, "hub") and not _is_foreign(source, hub_kwargs):
+        return None
+    download = {name: value for name, value in hub_kwargs.items() if name != "subfolder"}
+    checkpoint, format_name = read_checkpoint(source, from_format, TargetInfo(known_at_generate=True), None, download)
+    notes = (checkpoint.config.converted_from or {}).get("notes", [])
+    logger.warning(
+        f"{source} is a {format_name} checkpoint: converted in memory (`hf-eagle3 convert` writes the conversion "
+        "to disk)" + (": " + " ".join(notes) if notes else ".")
+    )
+    return checkpoint.config, checkpoint.tensors
+
+
+def _is_foreign(source: str | Path, hub_kwargs: dict) -> bool:
+    try:
+        config, _ = PreTrainedConfig.get_config_dict(source, **hub_kwargs)
+    except (OSError, ValueError):
+        return False
+    return config.get("model_type") != Eagle3Config.model_type
