@@ -5,10 +5,10 @@ safetensors. The config is a Llama config plus `draft_vocab_size`, `target_hidde
 `eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as *outputs* of target layers (or a top-level
 `eagle_aux_hidden_state_layer_ids` in `hidden_states` indices, which vLLM reads). AngelSlim writes the same files
 under vLLM's architecture name `Eagle3LlamaForCausalLM`, without layer ids. EAGLE 3.1 drafts set `fc_norm` (weights
-`fc_norm.{0,1,2}`) and `norm_output` (SpecForge's current meaning: the state fed back is taken after the final norm);
-`norm_before_residual` / `norm_before_fc` are read as vLLM reads them in this format (SGLang ignores them). Only one
-decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`,
-silently skips unknown weights and always replaces the draft's embedding with the target's, so the export writes
+`fc_norm.{0,1,2}`) and `norm_output`, read in SpecForge's current meaning (the state fed back is taken after the final
+norm; SpecForge 0.2.0 meant "final norm before lm_head"), which the export never writes: its absence is plain EAGLE-3
+in both; `norm_before_residual` / `norm_before_fc` are read as vLLM reads them in this format (SGLang ignores them).
+Only one decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`, silently skips unknown weights and always replaces the draft's embedding with the target's, so the export writes
 exactly the weights SGLang uses and refuses a draft with an embedding of its own. What SGLang has no key for (the
 target's id and layer count, the draft tree settings) is kept under `hf_eagle3`, which SGLang ignores.
 """
@@ -44,6 +44,16 @@ UNFAITHFUL_SETTINGS = {
 SGLANG_IGNORES = ("norm_before_residual", "norm_before_fc", "qk_norm")
 
 
+# SpecForge changed what `norm_output` means after 0.2.0 (there: apply the final norm before lm_head, default true,
+# the pre-norm state always fed back); configs read with the later meaning, stated where 0.2.0 reads them otherwise.
+_NORM_OUTPUT_READINGS = {
+    False: "norm_output=false read as later SpecForge reads it (plain EAGLE-3); SpecForge 0.2.0 reads it as no final "
+    "norm before lm_head.",
+    True: "norm_output=true read as later SpecForge reads it (EAGLE 3.1: the normalised state fed back); SpecForge "
+    "0.2.0 reads it as plain EAGLE-3.",
+}
+
+
 def detect(source: SourceFiles) -> bool:
     eagle_config = source.config.get("eagle_config") or {}
     return (
@@ -65,6 +75,8 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
         )
     fields = draft_fields("sglang", source.config, source.config, options) | option_fields(source.config)
     fields["target_layer_ids"] = target_layer_ids(source.config)
+    if "norm_output" in source.config:
+        fields["converted_from"]["notes"].append(_NORM_OUTPUT_READINGS[bool(source.config["norm_output"])])
     for name in ("norm_before_residual", "norm_before_fc"):
         if fields.get(name):
             fields["converted_from"]["notes"].append(f"{name}=true read as vLLM serves it; SGLang ignores it.")
@@ -86,6 +98,13 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
             f"The draft uses {', '.join(settings)}, which SGLang does not implement (or, for several layers, "
             "implements differently): it would serve another function. Export to speculators (vLLM) instead."
         )
+    if config.norm_output:
+        raise ConversionError(
+            "The draft feeds back the normalised state (norm_output=True, EAGLE 3.1). SpecForge 0.2.0 reads "
+            "norm_output: true as plain EAGLE-3 (final norm before lm_head, the pre-norm state fed back), later "
+            "SpecForge as this draft: no config says it to both. Export to speculators instead, whose norm_output "
+            "vLLM serves as trained."
+        )
     if not config.share_target_embedding:
         raise ConversionError(
             "SGLang always replaces a draft's token embedding with the target's, and this draft has one of its own "
@@ -100,7 +119,8 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
         "draft_vocab_size": None if config.share_target_lm_head else config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "fc_norm": config.fc_norm,
-        "norm_output": config.norm_output,
+        # No norm_output key: SpecForge 0.2.0 reads its absence as "final norm before lm_head", later SpecForge as
+        # "the pre-norm state fed back"; together, plain EAGLE-3 in every version.
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": output_of_layer_ids(config.target_layer_ids),
             "use_aux_hidden_state": True,

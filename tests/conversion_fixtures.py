@@ -9,6 +9,7 @@ import torch
 from hf_eagle3.conversion import TargetInfo
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 160  # target vocabulary V
 
@@ -577,3 +578,12 @@ def _rewrite(folder: Path, mutate_config=None, extra_tensors=None) -> None:
     write_json(folder / "config.json", config)
     if extra_tensors:
         save_file({**load_file(folder / "model.safetensors"), **extra_tensors}, folder / "model.safetensors")
+
+
+def saved_target(folder: Path, vocab_size: int, hidden_size: int) -> LlamaForCausalLM:
+    """A tiny Llama target saved to `folder` with `save_pretrained`, whose input embedding exports may need."""
+    torch.manual_seed(7)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    target.save_pretrained(folder)
+    return target

@@ -14,6 +14,7 @@ from conversion_fixtures import (
     our_names,
     over_target_vocabulary,
     reference_forward,
+    saved_target,
 )
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file
@@ -111,11 +112,12 @@ def test_from_pretrained_loads_every_foreign_format_as_its_conversion(tmp_path, 
     assert torch.equal(outputs[0], outputs[2]) and outputs[1] == outputs[3]
 
 
-SGLANG_VARIANTS = [{}, {"fc_norm": True, "norm_output": True}]
+SGLANG_VARIANTS = [{}, {"fc_norm": True}]
 
 
 SPECULATORS_VARIANTS = [
-    *SGLANG_VARIANTS, {"norm_before_residual": True, "qk_norm": True}, {"norm_before_fc": True},
+    *SGLANG_VARIANTS, {"fc_norm": True, "norm_output": True}, {"norm_before_residual": True, "qk_norm": True},
+    {"norm_before_fc": True},
     {"num_hidden_layers": 2, "norm_before_residual": True},
     {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64},
 ]
@@ -140,8 +142,9 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, variant, dt
         acceptance_profile=[{"tree_depth": 2, "tree_top_k": 8, "tree_total_tokens": 12, "tau": 1.9}],
     ).to(dtype)
     draft.save_pretrained(tmp_path / "hub")
+    saved_target(tmp_path / "target", draft.config.vocab_size, draft.config.hidden_size)
 
-    convert(tmp_path / "hub", tmp_path / export_format, to_format=export_format)
+    convert(tmp_path / "hub", tmp_path / export_format, to_format=export_format, target_embedding=tmp_path / "target")
     convert(tmp_path / export_format, tmp_path / "back")
 
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == (

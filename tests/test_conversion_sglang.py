@@ -86,3 +86,28 @@ def test_a_draft_using_the_targets_head_round_trips_through_sglang_and_not_specu
     ).read_bytes()
     with pytest.raises(ConversionError, match="share_target_lm_head=True.*Export to sglang"):
         convert(tmp_path / "hub", tmp_path / "speculators", to_format="speculators")
+
+
+def test_sglang_export_of_plain_eagle3_omits_norm_output_which_specforge_versions_read_differently(tmp_path):
+    """SpecForge 0.2.0 reads a missing norm_output as "final norm before lm_head", later SpecForge as "pre-norm state
+    fed back": both plain EAGLE-3, which no written value says to both."""
+    tiny_draft(fc_norm=True).save_pretrained(tmp_path / "hub")
+    convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
+    config = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    assert "norm_output" not in config and config["fc_norm"] is True
+
+
+def test_sglang_export_of_normed_feedback_is_refused_naming_specforge_0_2_0(tmp_path):
+    tiny_draft(norm_output=True).save_pretrained(tmp_path / "hub")
+    with pytest.raises(ConversionError, match="norm_output=True.*SpecForge 0.2.0 reads.*Export to speculators"):
+        convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_a_written_norm_output_is_read_in_specforges_later_meaning_and_the_other_reading_stated(tmp_path, norm_output):
+    sglang_fixture(tmp_path)
+    _rewrite(tmp_path, lambda config: config.update(norm_output=norm_output))
+    checkpoint, _ = convert(tmp_path, tmp_path / "hub")
+    assert checkpoint.config.norm_output is norm_output
+    assert any(f"norm_output={str(norm_output).lower()} read as later SpecForge" in note and "SpecForge 0.2.0" in note
+               for note in checkpoint.config.converted_from["notes"])
