@@ -36,6 +36,22 @@ def read_foreign(
     return checkpoint.config, checkpoint.tensors
 
 
+# `architectures` of EAGLE-3 drafts in the SpecForge / SGLang layout (SpecForge's and vLLM's names).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def is_eagle3_draft(config: dict) -> bool:
+    """Whether the `config.json` contents `config` describe an EAGLE-3 draft, in our format or another project's
+    (SpecForge / SGLang / AngelSlim / ModelOpt architectures, speculators' `speculators_model_type`, or the official
+    drafts' `draft_vocab_size`), as opposed to a causal LM."""
+    return (
+        config.get("model_type") == Eagle3Config.model_type
+        or config.get("speculators_model_type") == "eagle3"
+        or any(name in EAGLE3_ARCHITECTURES for name in config.get("architectures") or [])
+        or "draft_vocab_size" in config
+    )
+
+
 def _is_foreign(source: str | Path, hub_kwargs: dict) -> bool:
     try:
         config, _ = PreTrainedConfig.get_config_dict(source, **hub_kwargs)

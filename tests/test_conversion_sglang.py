@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from conftest import tiny_draft
 from conversion_fixtures import (
     HIDDEN,
@@ -14,6 +15,8 @@ from conversion_fixtures import (
 )
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file
+
+from hf_eagle3.resources.loading import load_draft
 
 
 def test_readings_where_engines_differ_are_recorded(tmp_path):
@@ -111,3 +114,18 @@ def test_a_written_norm_output_is_read_in_specforges_later_meaning_and_the_other
     assert checkpoint.config.norm_output is norm_output
     assert any(f"norm_output={str(norm_output).lower()} read as later SpecForge" in note and "SpecForge 0.2.0" in note
                for note in checkpoint.config.converted_from["notes"])
+
+
+def test_the_commands_take_a_draft_in_sglang_format(tmp_path):
+    """`hf-eagle3 bench --draft` and `tune-tree --draft` load drafts through `load_draft`."""
+    draft = tiny_draft()
+    draft.save_pretrained(tmp_path / "hub")
+    convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
+    loaded = load_draft(str(tmp_path / "sglang"))
+    assert _draft_fields(loaded.config) == _draft_fields(draft.config)
+    assert all(torch.equal(tensor, draft.state_dict()[name]) for name, tensor in loaded.state_dict().items()
+               if name != "embed_tokens.weight")
+
+
+def _draft_fields(config) -> dict:
+    return {key: value for key, value in config.to_diff_dict().items() if key not in ("architectures", "auto_map")}
