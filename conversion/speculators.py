@@ -85,6 +85,12 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
             "The draft uses the target's lm_head (share_target_lm_head=True), which speculators drafts cannot say: "
             "vLLM would build an lm_head of its own and find no weights for it. Export to sglang instead."
         )
+    if config.target_name_or_path is None:
+        raise ConversionError(
+            "speculators (0.9.0) loads a draft together with its verifier's config (speculators_config.verifier), "
+            "and this draft records no target: pass the target's Hub id or folder, `hf-eagle3 convert ... --to "
+            "speculators --target-name-or-path TARGET`."
+        )
     if config.target_hidden_size != config.hidden_size:
         raise ConversionError(
             f"speculators (0.9.0) builds fc with 3 x hidden_size = {3 * config.hidden_size} inputs, and this draft's "

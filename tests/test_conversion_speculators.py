@@ -20,7 +20,8 @@ def test_speculators_records_target_and_speculative_tokens(tmp_path):
 
 
 def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
-    tiny_draft(draft_vocab_size=40, share_target_embedding=False).save_pretrained(tmp_path / "hub")
+    tiny_draft(draft_vocab_size=40, share_target_embedding=False, target_name_or_path="org/target").save_pretrained(
+        tmp_path / "hub")
     convert(tmp_path / "hub", tmp_path / "speculators", to_format="speculators")
     assert "embed_tokens.weight" in load_file(tmp_path / "speculators" / "model.safetensors")
     convert(tmp_path / "speculators", tmp_path / "back")
@@ -31,7 +32,7 @@ def test_draft_with_its_own_embedding_round_trips_through_speculators(tmp_path):
 
 def _exported(tmp_path, target_embedding=True, **variant) -> dict:
     """The config.json of a tiny draft exported to speculators."""
-    draft = tiny_draft(**variant)
+    draft = tiny_draft(target_name_or_path="org/target", **variant)
     draft.save_pretrained(tmp_path / "hub")
     saved_target(tmp_path / "target", draft.config.vocab_size, draft.config.hidden_size)
     convert(tmp_path / "hub", tmp_path / "speculators", to_format="speculators",
@@ -81,7 +82,8 @@ def test_a_layer_config_without_model_type_is_read_as_speculators_reads_it(tmp_p
 
 
 def test_speculators_export_of_a_draft_narrower_than_its_target_is_refused(tmp_path):
-    tiny_draft(target_hidden_size=48, share_target_embedding=False).save_pretrained(tmp_path / "hub")
+    tiny_draft(target_hidden_size=48, share_target_embedding=False, target_name_or_path="org/target").save_pretrained(
+        tmp_path / "hub")
     with pytest.raises(ConversionError, match=r"builds fc with 3 x hidden_size = 96 inputs.*\(fc reads 144\)"):
         convert(tmp_path / "hub", tmp_path / "out", to_format="speculators")
     assert not (tmp_path / "out").exists()
@@ -90,7 +92,8 @@ def test_speculators_export_of_a_draft_narrower_than_its_target_is_refused(tmp_p
 @pytest.mark.parametrize("export_format", ["sglang", "speculators"])
 def test_exports_write_the_special_token_ids_and_rope_parameters(tmp_path, export_format):
     rope = {"rope_type": "default", "rope_theta": 500000.0}
-    draft = tiny_draft(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0, rope_parameters=rope)
+    draft = tiny_draft(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0, rope_parameters=rope,
+                       target_name_or_path="org/target")
     draft.save_pretrained(tmp_path / "hub")
     saved_target(tmp_path / "target", draft.config.vocab_size, draft.config.hidden_size)
     convert(tmp_path / "hub", tmp_path / "out", to_format=export_format, target_embedding=tmp_path / "target")
@@ -100,3 +103,10 @@ def test_exports_write_the_special_token_ids_and_rope_parameters(tmp_path, expor
     assert layer_config["rope_parameters"] == rope and layer_config["rope_theta"] == 500000.0
     checkpoint, _ = convert(tmp_path / "out", tmp_path / "back")
     assert (checkpoint.config.bos_token_id, checkpoint.config.eos_token_id) == (1, [2, 3])
+
+
+def test_speculators_export_of_a_draft_that_names_no_target_is_refused(tmp_path):
+    """speculators 0.9.0's loader reads the verifier's config; a draft without one cannot load there."""
+    tiny_draft().save_pretrained(tmp_path / "hub")
+    with pytest.raises(ConversionError, match=r"verifier's config.*--target-name-or-path"):
+        convert(tmp_path / "hub", tmp_path / "out", to_format="speculators")
