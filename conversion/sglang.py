@@ -15,6 +15,7 @@ target's id and layer count, the draft tree settings) is kept under `hf_eagle3`,
 
 from pathlib import Path
 
+from ..configuration_eagle3 import Eagle3Config
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
 from .fields import (
     carried_fields,
@@ -85,32 +86,40 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
     return DraftCheckpoint.build(fields, source.tensors, target)
 
 
-def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
-    config = checkpoint.config
-    refuse_last_layer_tap(config, "the draft served by SGLang")
+def refusal(config: Eagle3Config) -> str | None:
+    """Why the draft `config` describes cannot be served in this format (SGLang, SpecForge), or `None` if it can."""
     settings = [f"{name}=True" for name in SGLANG_IGNORES if getattr(config, name)]
     if config.num_hidden_layers > 1:
         settings.append(f"num_hidden_layers={config.num_hidden_layers}")
     if config.layer_types is not None and "sliding_attention" in config.layer_types:
         settings.append(f"layer_types={config.layer_types}")
     if settings:
-        raise ConversionError(
+        return (
             f"The draft uses {', '.join(settings)}, which SGLang does not implement (or, for several layers, "
             "implements differently): it would serve another function. Export to speculators (vLLM) instead."
         )
     if config.norm_output:
-        raise ConversionError(
+        return (
             "The draft feeds back the normalised state (norm_output=True, EAGLE 3.1). SpecForge 0.2.0 reads "
             "norm_output: true as plain EAGLE-3 (final norm before lm_head, the pre-norm state fed back), later "
             "SpecForge as this draft: no config says it to both. Export to speculators instead, whose norm_output "
             "vLLM serves as trained."
         )
     if not config.share_target_embedding:
-        raise ConversionError(
+        return (
             "SGLang always replaces a draft's token embedding with the target's, and this draft has one of its own "
             "(share_target_embedding=false), so it would not be served as trained. If that embedding is a copy of "
             "the target's, convert with --share-target-embedding."
         )
+    return None
+
+
+def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
+    config = checkpoint.config
+    refuse_last_layer_tap(config, "the draft served by SGLang")
+    reason = refusal(config)
+    if reason is not None:
+        raise ConversionError(reason)
     sglang_config = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",

@@ -306,8 +306,15 @@ def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft)
 def test_the_card_gives_serving_settings_from_the_drafts_tree_defaults(saved_draft):
     card = _card(saved_draft)  # tiny_draft: depth 4, top-k 3, 12 drafted tokens
     assert "--speculative-num-steps 4 --speculative-eagle-topk 3 --speculative-num-draft-tokens 13" in card.text
-    assert '"method": "eagle3", "model": "draft-vllm", "num_speculative_tokens": 4' in card.text
+    assert '"method": "eagle3", "model": "draft-sglang", "num_speculative_tokens": 4' in card.text  # vLLM too
     assert "hf-eagle3 convert org/eagle3-draft draft-sglang --to sglang" in card.text
+
+
+def test_the_card_of_a_draft_sglang_cannot_serve_gives_the_speculators_export_for_vllm(tmp_path):
+    tiny_draft(norm_before_residual=True, target_name_or_path="org/Llama-Tiny").save_pretrained(tmp_path)
+    card = _card(tmp_path)
+    assert "hf-eagle3 convert org/eagle3-draft draft-vllm --to speculators --target-embedding org/Llama-Tiny" in card.text
+    assert "sglang.launch_server" not in card.text
 
 
 def test_shipped_and_generated_cards_share_library_name_and_tags():
