@@ -109,6 +109,33 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
     ]
 
 
+def test_the_remote_code_class_without_hf_eagle3_reads_no_foreign_format_and_pushes_as_transformers_does(
+    tmp_path, saved_draft, python_without_hf_eagle3
+):
+    """The foreign-format reader and the card-writing pusher are registered by `import hf_eagle3`, not built in."""
+    output = run_python(
+        f"""
+        from transformers import AutoModel
+
+        draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
+        cls = type(draft)
+        print(cls._checkpoint_reader, cls._pusher)
+        try:
+            cls.from_pretrained({str(saved_draft)!r}, from_format="sglang")
+        except ValueError as error:
+            print(error)
+        """,
+        cwd=tmp_path,
+        python=python_without_hf_eagle3,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert output.splitlines() == [
+        "None None",
+        "from_format='sglang' reads another project's checkpoint, which needs hf-eagle3: `pip install hf-eagle3`, then "
+        "`from hf_eagle3 import Eagle3DraftModel` and load with it.",
+    ]
+
+
 def test_generate_with_a_draft_where_hf_eagle3_is_not_installed_says_to_install_it(
     tmp_path, saved_draft, python_without_hf_eagle3
 ):

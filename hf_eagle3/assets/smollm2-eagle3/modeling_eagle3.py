@@ -276,7 +276,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if cls._checkpoint_reader is not None and source is not None:
             foreign = cls._checkpoint_reader(source, from_format, hub_kwargs)
         elif from_format is not None:
-            raise ValueError(f"from_format={from_format!r} reads another project's checkpoint: `import hf_eagle3` first.")
+            raise ValueError(
+                f"from_format={from_format!r} reads another project's checkpoint, which needs hf-eagle3: `pip install "
+                "hf-eagle3`, then `from hf_eagle3 import Eagle3DraftModel` and load with it."
+            )
         else:
             foreign = None
         if foreign is not None:  # loaded from memory by the same code path as a saved draft
