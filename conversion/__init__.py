@@ -20,7 +20,7 @@ read a checkpoint differently, the reading chosen is recorded in the converted c
 what no reading makes faithful is refused.
 """
 
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo, UnknownFormatError
 from .convert import EXPORT_FORMATS, FORMATS, convert, read_checkpoint, write_checkpoint
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "DraftCheckpoint",
     "ReadOptions",
     "TargetInfo",
+    "UnknownFormatError",
     "convert",
     "read_checkpoint",
     "write_checkpoint",

@@ -34,6 +34,10 @@ class ConversionError(ValueError):
     """A checkpoint that cannot be converted faithfully; the message names the problem and the fix."""
 
 
+class UnknownFormatError(ConversionError):
+    """A checkpoint whose files match no draft format: not a draft, or one whose format must be named (`--from`)."""
+
+
 @dataclass(frozen=True)
 class TargetInfo:
     """What the user tells the converter about the target model; every field is optional.

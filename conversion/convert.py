@@ -10,7 +10,7 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 from safetensors import SafetensorError
 
 from . import hub, modelopt, official, sglang, speculators
-from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo
+from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo, UnknownFormatError
 from .fields import refuse_last_layer_tap
 from .files import input_embedding, load_source
 
@@ -52,7 +52,8 @@ def read_checkpoint(
         if len(candidates) != 1:
             found = f"could be any of {', '.join(candidates)}" if candidates else "matches no known format"
             choices = "; ".join(f"{name} ({FORMATS[name].description})" for name in candidates or FORMATS)
-            raise ConversionError(f"{source} {found}. Pass --from (from_format=) with one of: {choices}.")
+            error = ConversionError if candidates else UnknownFormatError
+            raise error(f"{source} {found}. Pass --from (from_format=) with one of: {choices}.")
         format_name = candidates[0]
     checkpoint = _format(format_name).read(files, target or TargetInfo(), options or ReadOptions())
     if format_name != "hub":

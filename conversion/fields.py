@@ -222,6 +222,7 @@ CARRIED_FIELDS = (
     "share_target_embedding",
     "target_num_hidden_layers",
     "target_name_or_path",
+    "target_fingerprint",
     "tree_depth",
     "tree_top_k",
     "tree_total_tokens",

@@ -277,8 +277,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             foreign = cls._checkpoint_reader(source, from_format, hub_kwargs)
         elif from_format is not None:
             raise ValueError(
-                f"from_format={from_format!r} reads another project's checkpoint, which needs hf-eagle3: `pip install "
-                "hf-eagle3`, then `from hf_eagle3 import Eagle3DraftModel` and load with it."
+                f"from_format={from_format!r} reads another project's checkpoint, which needs hf-eagle3 (no package "
+                "index serves it: `pip install ./hf-eagle3` in a clone of its repository), then "
+                "`from hf_eagle3 import Eagle3DraftModel` and load with it."
             )
         else:
             foreign = None
@@ -325,9 +326,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         run the draft, so the error says how to make it."""
         raise TypeError(
             "An EAGLE-3 draft does not generate on its own: it drafts inside its target's generate, "
-            "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3: `pip install hf-eagle3`, then "
-            "`import hf_eagle3` and load the draft after the import (`Eagle3DraftModel.from_pretrained` or "
-            "`AutoModel.from_pretrained`). A draft loaded before it with trust_remote_code=True is the checkpoint's "
+            "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3 (no package index serves it: "
+            "`pip install ./hf-eagle3` in a clone of its repository), then `import hf_eagle3` and load the draft "
+            "after the import (`Eagle3DraftModel.from_pretrained` or `AutoModel.from_pretrained`). A draft loaded before it with trust_remote_code=True is the checkpoint's "
             "own copy of this class, which hf-eagle3 does not drive."
         )
 
@@ -576,8 +577,9 @@ def _additive_mask(
         key_positions = torch.arange(past_length + query_length, device=like.device)
         query_positions = torch.arange(past_length, past_length + query_length, device=like.device)
         attention_mask = (key_positions[None, :] <= query_positions[:, None])[None, None]
-    if attention_mask.dtype == torch.bool:
-        return torch.where(attention_mask, 0.0, torch.finfo(like.dtype).min).to(like.dtype)
+    if attention_mask.dtype == torch.bool:  # built in `like`'s dtype: a float32 minimum would not hold float64's
+        return torch.zeros(attention_mask.shape, dtype=like.dtype, device=like.device).masked_fill(
+            ~attention_mask, torch.finfo(like.dtype).min)
     return attention_mask.to(like.dtype)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from hf_eagle3.commands.bench import (
     acceptance_by_position,
+    bench_markdown,
     first_divergence,
     markdown_table,
     methods_from_names,
@@ -174,3 +175,50 @@ def test_verification_cost_is_written_to_the_output_directory(llama_target, tmp_
     assert record["dtype"] == "float32" and record["torch_threads"] >= 1 and record["machine"]
     assert (tmp_path / "results" / "verification-cost.md").read_text() == table
     assert "| 4 |" in table and table.startswith("Measured on ")
+
+
+def _entry(speedup: float, tokens_per_second: float, n_alpha=None, histogram=None, shape=None) -> dict:
+    entry = {"speedup": speedup, "tokens_per_second": tokens_per_second, "prompts": 2, "greedy_mismatches": [],
+             "near_tie_mismatches": []}
+    if n_alpha is not None:
+        entry |= {"tau": 2.0, "n_alpha": n_alpha, "accepted_length_histogram": histogram, "shapes": [shape],
+                  "cycle_ms": {"draft": 1.0, "verify": 2.0, "other": 0.5}}
+    return entry
+
+
+# as bench.json holds it: a chain of depth 2 whose cycles of 6 and 7 tokens took a context n-gram branch
+SUMMARY = {
+    "mt-bench": {"plain": _entry(1.0, 40.0), "chain": _entry(1.3, 52.0, [0.6, 0.4], {"1": 5, "2": 3, "3": 2, "6": 1,
+                                                                                       "7": 1}, "2x1x2")},
+    "humaneval": {"plain": _entry(1.0, 38.0), "chain": _entry(2.4, 91.0, [0.8, 0.6], {"1": 2, "2": 3, "3": 4, "7": 2},
+                                                               "2x1x2")},
+}
+
+
+def test_bench_defaults_to_comparing_auto_the_decoding_generate_uses():
+    from hf_eagle3.commands.cli import build_parser
+
+    assert "auto" in build_parser().parse_args(["bench"]).methods
+
+
+def test_bench_md_says_what_each_column_means_and_how_speedup_differs_from_tokens_per_second():
+    report = bench_markdown(SUMMARY, "Test CPU", "float32", 2)
+    assert report.startswith("Measured on Test CPU, float32, 2 torch threads.")
+    assert "| mt-bench | chain | 2x1x2 | 1.30x | 52.0 |" in report
+    for column in ("tree (DxKxN)", "speedup", "tokens/s", "τ", "n-α", "draft / verify / other ms per cycle",
+                   "greedy mismatches (near-ties)"):
+        assert f"- **{column}**: " in report
+    assert "median over the set's prompts of plain time / method time" in report
+    assert "can therefore differ from their speedup" in report
+
+
+def test_plot_shares_the_speedup_scale_and_marks_the_cycles_only_an_ngram_branch_explains():
+    figure = plot_summary(SUMMARY)
+    (speed_a, _, lengths_a), (speed_b, _, _) = figure.axes[:3], figure.axes[3:6]
+    assert speed_a.get_ylim() == speed_b.get_ylim() and speed_a.get_ylim()[1] > 2.4
+    assert not [text for text in speed_a.texts if text.get_text() == "plain"]  # the line is named in the legend
+    assert [text.get_text() for text in speed_a.get_legend().get_texts()] == ["plain generate (1x)"]
+    # lengths 1 2 3 6 7: depth 2 drafts at most 3 tokens per cycle; 6 and 7 are hatched, and the legend says why
+    assert [bool(bar.get_hatch()) for bar in lengths_a.patches] == [False, False, False, True, True]
+    assert "longer than the tree: an n-gram branch" in [text.get_text() for text in lengths_a.get_legend().get_texts()]
+    assert "only a context n-gram branch" in figure.texts[-1].get_text()

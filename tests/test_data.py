@@ -291,3 +291,16 @@ def test_the_manifest_records_the_target_the_data_is_for(tmp_path, tokenizer):
 
 def _read_lines(path):
     return path.read_text().splitlines()
+
+
+def test_regeneration_shows_one_bar_over_the_run_counting_conversations_towards_the_limit(
+    tmp_path, tokenizer, tiny_chat_target, capsys
+):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conversation(f"question {i}?", "answer")}) for i in range(7)))
+    prepare_dataset([path], tmp_path / "out", tokenizer, target=tiny_chat_target, limit=6, max_length=64,
+                    shard_size=2, max_new_tokens=4, batch_size=4)  # three shards
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    drawn = [line for line in bar if line.startswith("regenerating")]
+    assert drawn[-1].startswith("regenerating: 100%") and "6/6 [" in drawn[-1] and "conversation/s]" in drawn[-1]
+    assert not any(line.startswith("regenerating:   0%") for line in drawn[1:])  # never restarts at a shard

@@ -1,13 +1,16 @@
 """EAGLE-3 through `target.generate(assistant_model=draft)` on tiny random targets: lossless greedy decoding,
 `generate`'s behaviour (stopping, streaming, outputs, PEFT), statistics and clear errors."""
 
+import copy
+
 import pytest
 import torch
 from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
-from transformers import AutoModel, DynamicCache, GenerationConfig, StaticCache
+from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from hf_eagle3 import Eagle3DraftModel
+from hf_eagle3.utils.fingerprint import weights_fingerprint
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
 TREE = dict(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
@@ -315,16 +318,29 @@ def test_inputs_embeds_instead_of_input_ids_is_a_clear_error(llama_target, fitte
         llama_target.generate(inputs_embeds=embeds, max_new_tokens=5, assistant_model=fitted_draft)
 
 
-def test_a_draft_trained_for_another_model_of_the_same_shapes_is_named(llama_target, caplog):
-    import copy
-
-    target = copy.deepcopy(llama_target)
-    target.config.name_or_path = "/models/Llama-Tiny"
-    draft = tiny_draft(target_name_or_path="org/Mistral-Tiny")
-    _eagle(target, draft, PROMPTS[0], max_new_tokens=5)
-    assert any("trained for 'org/Mistral-Tiny'" in record.message for record in caplog.records)
+def test_a_draft_trained_for_another_model_of_the_same_shapes_is_named(llama_target, tmp_path, caplog):
+    other = tiny_target(seed=1)  # same shapes, other weights, loaded from a local folder
+    other.save_pretrained(tmp_path / "other")
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "other")
+    draft = tiny_draft(target_name_or_path="org/Llama-Tiny", target_fingerprint=weights_fingerprint(llama_target))
+    _eagle(other, draft, PROMPTS[0], max_new_tokens=5)
+    assert any("trained for 'org/Llama-Tiny'" in record.message and "is another model" in record.message
+               for record in caplog.records)
     caplog.clear()
-    _eagle(target, tiny_draft(target_name_or_path="org/llama-tiny"), PROMPTS[0], max_new_tokens=5)  # a local copy
+    _eagle(llama_target, tiny_draft(target_name_or_path="org/Mistral-Tiny"), PROMPTS[0], max_new_tokens=5)
+    assert not any("trained for" in record.message for record in caplog.records)  # a model built here: no name
+
+
+def test_a_local_copy_of_the_target_gets_no_warning_in_any_dtype(llama_target, tmp_path, caplog):
+    llama_target.save_pretrained(tmp_path / "my-models" / "folder")  # a local folder named unlike the Hub id
+    fingerprint = weights_fingerprint(llama_target)
+    for dtype in (torch.float32, torch.bfloat16):
+        target = AutoModelForCausalLM.from_pretrained(tmp_path / "my-models" / "folder", dtype=dtype)
+        draft = tiny_draft(target_name_or_path="org/Llama-Tiny", target_fingerprint=fingerprint).to(dtype)
+        _eagle(target, draft, PROMPTS[0], max_new_tokens=5)
+        # a draft that records no fingerprint (the shipped one, converted ones): the same architecture at a local path
+        _eagle(target, tiny_draft(target_name_or_path="org/Llama-Tiny", target_model_type="llama").to(dtype),
+               PROMPTS[0], max_new_tokens=5)
     assert not any("trained for" in record.message for record in caplog.records)
 
 
@@ -446,3 +462,10 @@ def test_the_config_switches_context_ngram_candidates_and_a_call_overrides_it(ll
         assert fitted_draft.generation_stats.continuation_tokens == 0
     finally:
         fitted_draft.config.ngram_candidates = default  # the session's shared draft, as the next tests expect it
+
+
+def test_float64_target_and_draft_decode_as_plain_greedy(llama_target, fitted_draft):
+    target, draft = copy.deepcopy(llama_target).double(), copy.deepcopy(fitted_draft).double()
+    for shape in (TREE, CHAIN):
+        expected = target.generate(PROMPTS[1], max_new_tokens=20, do_sample=False)
+        assert torch.equal(_eagle(target, draft, PROMPTS[1], max_new_tokens=20, tree_shape="fixed", **shape), expected)

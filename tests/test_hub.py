@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -14,7 +15,7 @@ import pytest
 import torch
 from conftest import tiny_draft
 from hf_eagle3.conversion import ConversionError, convert
-from huggingface_hub import HfApi, ModelCard
+from huggingface_hub import CommitInfo, HfApi, ModelCard
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
@@ -58,20 +59,26 @@ def saved_draft(tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def python_without_hf_eagle3(tmp_path_factory) -> Path:
     """The interpreter of a fresh virtualenv that has this environment's packages (torch, transformers, ...) but not
-    hf-eagle3, as on a machine where it was never installed.
+    hf-eagle3, as on a machine where it was never installed: neither importable nor known to `importlib.metadata`
+    (transformers checks a `requirements.txt` against the installed distributions).
 
-    `venv --without-pip` (a second), whose site-packages holds one `.pth` line naming this environment's
-    site-packages. A `.pth` line only puts that directory on `sys.path`: the `.pth` files inside it are not run, and
-    hf-eagle3 is installed there (editable) by one of them, so it is not importable; nor is the repository, since
+    `venv --without-pip` (a second), whose site-packages holds one `.pth` line naming a folder of links to every entry
+    of this environment's site-packages but hf-eagle3's (its `.dist-info` and editable-install finder). A `.pth` line
+    only puts that folder on `sys.path`: the `.pth` files inside it are not run; nor is the repository on it, since
     the scripts run elsewhere."""
-    venv = tmp_path_factory.mktemp("venv-without-hf-eagle3")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
+    root = tmp_path_factory.mktemp("venv-without-hf-eagle3")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
+    python = root / "venv" / "bin" / "python"
+    packages = root / "packages"
+    packages.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(("hf_eagle3", "__editable__")):
+            (packages / entry.name).symlink_to(entry)
     site_packages = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    (Path(site_packages) / "packages-of-the-test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (Path(site_packages) / "packages-of-the-test-environment.pth").write_text(f"{packages}\n")
     return python
 
 
@@ -85,15 +92,18 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
             "AutoConfig": "configuration_eagle3.Eagle3Config",
             "AutoModel": "modeling_eagle3.Eagle3DraftModel",
         }
+    shipped = tmp_path / "smollm2-eagle3"  # as downloaded from the Hub: custom_generate/ included
+    shutil.copytree(SHIPPED_DRAFT, shipped)
     output = run_python(
         f"""
-        import importlib.util
+        import importlib.metadata, importlib.util
         assert importlib.util.find_spec("hf_eagle3") is None  # not installed here
+        assert not any(d.metadata["Name"] == "hf-eagle3" for d in importlib.metadata.distributions())
         import torch
         from safetensors.torch import load_file
         from transformers import AutoModel
 
-        for folder in ({str(saved_draft)!r}, {str(SHIPPED_DRAFT)!r}):
+        for folder in ({str(saved_draft)!r}, {str(shipped)!r}):
             draft = AutoModel.from_pretrained(folder, trust_remote_code=True)
             state = draft.state_dict()
             assert all(torch.equal(state[name], tensor) for name, tensor in load_file(folder + "/model.safetensors").items())
@@ -131,8 +141,9 @@ def test_the_remote_code_class_without_hf_eagle3_reads_no_foreign_format_and_pus
     )
     assert output.splitlines() == [
         "None None",
-        "from_format='sglang' reads another project's checkpoint, which needs hf-eagle3: `pip install hf-eagle3`, then "
-        "`from hf_eagle3 import Eagle3DraftModel` and load with it.",
+        "from_format='sglang' reads another project's checkpoint, which needs hf-eagle3 (no package index serves it: "
+        "`pip install ./hf-eagle3` in a clone of its repository), then `from hf_eagle3 import Eagle3DraftModel` and "
+        "load with it.",
     ]
 
 
@@ -156,7 +167,33 @@ def test_generate_with_a_draft_where_hf_eagle3_is_not_installed_says_to_install_
         python=python_without_hf_eagle3,
         HF_HOME=str(tmp_path / "hf_home"),
     )
-    assert "needs hf-eagle3: `pip install hf-eagle3`, then `import hf_eagle3`" in output
+    assert "needs hf-eagle3 (no package index serves it: `pip install ./hf-eagle3` in a clone" in output
+
+
+def test_the_shipped_custom_generate_where_hf_eagle3_is_not_installed_says_how_to_install_it(
+    tmp_path, python_without_hf_eagle3
+):
+    shipped = tmp_path / "smollm2-eagle3"
+    shutil.copytree(SHIPPED_DRAFT, shipped)
+    output = run_python(
+        f"""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                              num_attention_heads=4, num_key_value_heads=2))
+        try:
+            target.generate(torch.tensor([[3, 5, 7]]), custom_generate={str(shipped)!r}, trust_remote_code=True,
+                            max_new_tokens=5)
+        except ImportError as error:
+            print(error)
+        """,
+        cwd=tmp_path,
+        python=python_without_hf_eagle3,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert "EAGLE-3 decoding needs hf-eagle3, which no package index serves" in output
+    assert "`pip install ./hf-eagle3`" in output
 
 
 def test_with_hf_eagle3_imported_trust_remote_code_loads_its_class_and_one_loaded_before_is_named(
@@ -235,7 +272,8 @@ def mocked_hub(monkeypatch):
     def create_commit(repo_id, operations, **kwargs):
         files = {operation.path_in_repo: _content(operation.path_or_fileobj) for operation in operations}
         commits.append({"repo_id": repo_id, "files": files, **kwargs})
-        return mock.Mock(commit_url=f"https://huggingface.co/{repo_id}/commit/1", pr_url=None)
+        return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/1", commit_message="",
+                          commit_description="", oid="1")
 
     with (
         mock.patch.object(HfApi, "create_repo", side_effect=lambda repo_id, **_: mock.Mock(repo_id=repo_id)) as repo,
@@ -252,16 +290,20 @@ def test_push_to_hub_sends_the_checkpoint_and_a_model_card(mocked_hub, saved_dra
     create_repo, commits = mocked_hub
     draft = tiny_draft(target_name_or_path="org/target")
 
-    draft.push_to_hub("org/eagle3-draft", private=True, results=RESULTS)
+    url = draft.push_to_hub("org/eagle3-draft", private=True, results=RESULTS, commit_message="First draft",
+                            commit_description="Trained for 4 steps.", tags=["my-tag"])
 
+    assert isinstance(url, str) and url == "https://huggingface.co/org/eagle3-draft/commit/1"  # as transformers returns
     create_repo.assert_called_once_with("org/eagle3-draft", private=True, exist_ok=True)
     (commit,) = commits
     assert commit["repo_id"] == "org/eagle3-draft" and set(commit["files"]) == SAVED_FILES | {"README.md"}
+    assert commit["commit_message"] == "First draft" and commit["commit_description"] == "Trained for 4 steps."
     assert commit["files"]["model.safetensors"] == (saved_draft / "model.safetensors").read_bytes()
     card = ModelCard(commit["files"]["README.md"].decode())
     assert card.data.base_model == "org/target" and card.data.library_name == "transformers"
-    assert {"eagle3", "speculative-decoding"} <= set(card.data.tags)
+    assert {"eagle3", "speculative-decoding", "my-tag"} <= set(card.data.tags)
     assert 'Eagle3DraftModel.from_pretrained("org/eagle3-draft"' in card.text
+    assert "apply_chat_template` as above" in card.text  # the chat-template note
     assert "generate(**inputs, assistant_model=" in card.text
     assert "| mt-bench | 0.00 | 3.41 | 2.13 |" in card.text and "| humaneval | 0.00 | 3.87 | 2.45 |" in card.text
 
@@ -309,17 +351,36 @@ def test_card_without_results_has_no_results_section(saved_draft):
     assert "Measured acceptance" not in _card(saved_draft).text
 
 
-def test_a_draft_made_from_a_local_target_gets_its_hub_id_where_known_and_never_a_placeholder(saved_draft):
+def test_a_draft_made_from_a_local_target_gets_its_hub_id_where_known_and_never_its_path(saved_draft, tmp_path):
     _record_target(saved_draft, "/home/me/.cache/huggingface/hub/models--org--Llama-Tiny/snapshots/0123abcd")
     assert _card(saved_draft).data.base_model == "org/Llama-Tiny"  # a Hub cache snapshot names its repo
 
-    _record_target(saved_draft, "/models/local-target")
+    target = tmp_path / "local-target"  # a folder saved by an older transformers, which recorded `_name_or_path`
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "_name_or_path": "org/Llama-Tiny"}))
+    _record_target(saved_draft, str(target))
     card = _card(saved_draft)
-    assert card.data.base_model is None
-    assert 'AutoTokenizer.from_pretrained("/models/local-target")' in card.text  # what the draft was made with
-    assert "TARGET_MODEL_ID" not in card.text
+    assert card.data.base_model == "org/Llama-Tiny" and str(target) not in card.text
+
+    (target / "config.json").write_text(json.dumps({"model_type": "llama"}))  # saved by transformers 5: no Hub id
+    card = _card(saved_draft)
+    assert card.data.base_model is None and str(target) not in card.text and "TARGET_MODEL_ID" not in card.text
+    assert "for a model with 8 layers, hidden size 32 and a 96-token vocabulary (trained from a local copy" in card.text
+    assert "# tokenizer, target: the model this draft was trained for" in card.text
+    assert "--model-path $TARGET" in card.text and "`$TARGET` is the folder or Hub id of the target" in card.text
     card = _card(saved_draft, base_model="org/Llama-Tiny")  # `push --base-model`
     assert card.data.base_model == "org/Llama-Tiny" and '--model-path org/Llama-Tiny' in card.text
+
+
+def test_the_card_takes_the_license_of_the_target_when_its_card_is_at_hand(saved_draft, tmp_path):
+    target = tmp_path / "local-target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (target / "README.md").write_text("---\nlicense: llama3.1\n---\n# Llama\n")
+    _record_target(saved_draft, str(target))
+    card = _card(saved_draft)
+    assert card.data.license == "llama3.1" and "| License | llama3.1 |" in card.text
+    assert _card(saved_draft, license="apache-2.0").data.license == "apache-2.0"  # `push --license` wins
 
 
 def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft):
@@ -389,13 +450,52 @@ def test_the_card_of_a_trained_draft_describes_its_training(tmp_path, llama_targ
     assert "## Training" in card.text and "training-time test, 3 unrolled steps" in card.text
     assert "| Steps | 4 of 4, 4 conversations per batch" in card.text
     assert "| Held-out acceptance (last evaluation) | n-α " in card.text
-    assert card.data.base_model is None and 'from_pretrained("/models/local-llama")' in card.text
+    assert card.data.base_model is None and "/models/local-llama" not in card.text
 
 
-def test_a_folder_with_its_own_card_keeps_it(saved_draft):
-    (saved_draft / "README.md").write_text("# my card\n")
+def test_a_folder_with_its_own_card_keeps_it_and_a_readme_that_is_no_card_is_left_out(saved_draft):
+    (saved_draft / "README.md").write_text("---\nlicense: mit\n---\n# my card\n")
     operations = upload_operations(saved_draft, "org/eagle3-draft")
-    assert [_content(op.path_or_fileobj) for op in operations if op.path_in_repo == "README.md"] == [b"# my card\n"]
+    assert [_content(op.path_or_fileobj) for op in operations if op.path_in_repo == "README.md"] == [
+        b"---\nlicense: mit\n---\n# my card\n"]
+
+    (saved_draft / "README.md").write_text("# Development log\n\nStep 200: loss 3.1 ...\n")  # notes, no card
+    (card,) = [op.path_or_fileobj for op in upload_operations(saved_draft, "org/eagle3-draft")
+               if op.path_in_repo == "README.md"]
+    assert b"Development log" not in card and b"## Usage with transformers" in card
+
+
+def test_push_dry_run_leaves_out_keys_credentials_and_training_state_and_says_why(
+    mocked_hub, saved_draft, capsys, only_our_commands
+):
+    (saved_draft / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (saved_draft / "credentials.json").write_text('{"token": "hf_xxx"}')
+    torch.save({"state": {}}, saved_draft / "optimizer.pt")
+    (saved_draft / "checkpoint-200").mkdir()
+    torch.save({"step": 200}, saved_draft / "checkpoint-200" / "extra.pkl")
+
+    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--dry-run"])
+    listed = capsys.readouterr().out.split("\nREADME.md:\n")[0]
+    uploaded, left_out = listed.split("Left out:\n")
+    assert all(name not in uploaded for name in ("id_rsa", "credentials.json", "optimizer.pt", "extra.pkl"))
+    assert "  id_rsa: a private key; upload it with --include id_rsa" in left_out
+    assert "  credentials.json: credentials;" in left_out
+    assert "  optimizer.pt: training state, not the draft;" in left_out
+    assert "  checkpoint-200/extra.pkl: a pickle, which can run code when loaded" in left_out
+
+    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--include", "optimizer.pt"])  # named explicitly
+    (commit,) = mocked_hub[1]
+    assert "optimizer.pt" in commit["files"] and not {"id_rsa", "credentials.json"} & set(commit["files"])
+
+
+def test_push_of_a_draft_whose_weights_are_a_pickle_says_to_convert_or_include_them(saved_draft, tmp_path):
+    torch.save(load_file(saved_draft / "model.safetensors"), saved_draft / "pytorch_model.bin")
+    (saved_draft / "model.safetensors").unlink()
+    with pytest.raises(ConversionError, match="weights are pytorch_model.bin, pickled .*hf-eagle3 convert.*"
+                                              "--include pytorch_model.bin"):
+        upload_operations(saved_draft, "org/eagle3-draft")
+    paths = [op.path_in_repo for op in upload_operations(saved_draft, "org/eagle3-draft", include=["*.bin"])]
+    assert "pytorch_model.bin" in paths
 
 
 @pytest.mark.parametrize("damage", ["drop a weight", "drop auto_map"])

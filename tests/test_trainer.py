@@ -110,7 +110,7 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(dataset, target, tm
 
 
 TRAIN_CLI = (
-    "import argparse; from hf_eagle3 import trainer; parser = argparse.ArgumentParser(); "
+    "import argparse; from hf_eagle3.training import trainer; parser = argparse.ArgumentParser(); "
     "trainer.register_cli(parser.add_subparsers()); args = parser.parse_args(); args.run(args)"
 )
 
@@ -361,7 +361,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_keeps_the_run_resumable
             "--eval-every", "1000", "--eval-batches", "0", "--threads", "1", "--profile-prompts", "0",
             "--output-dir", str(tmp_path / "run")]
     script = (
-        "import resource, signal, sys; from hf_eagle3 import cli; "
+        "import resource, signal, sys; from hf_eagle3.commands import cli; "
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # a write past the limit fails with EFBIG, like a full disk
         "resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000)); cli.main(sys.argv[1:])"
     )

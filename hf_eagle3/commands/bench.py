@@ -33,7 +33,8 @@ from transformers import CompileConfig
 from ..decoding.calibration import machine_description, verification_cost
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
-from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set
+from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
+from ..utils.extras import require
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
@@ -257,10 +258,32 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool) -> dict:
     return {"summary": summary, "records": records}
 
 
+# What the columns of `markdown_table` mean, written under it in bench.md
+TABLE_LEGEND = """\
+- **tree (DxKxN)**: the tree shape decoded with, depth x top-k x drafted tokens (`auto`: the shape calibrated for this
+  machine, or `plain` where no tree pays; a chain is top-k 1).
+- **speedup**: the median over the set's prompts of plain time / method time on the same prompt.
+- **tokens/s**: all new tokens of the set / all its seconds, so long answers weigh more; the ratio of two methods'
+  tokens/s can therefore differ from their speedup, which weighs every prompt alike.
+- **τ**: tokens per target forward (accepted drafted tokens + 1), over all cycles.
+- **n-α**: the share of cycles whose n-th drafted token (0: the first) is accepted, among those that accepted 0..n-1.
+- **draft / verify / other ms per cycle**: where a cycle's time goes (drafting the tree, the target's verification
+  forward, the rest).
+- **greedy mismatches (near-ties)**: prompts whose greedy output differs from plain decoding's (those where the two
+  computations disagree by less than the dtype's rounding on the logit gap of the two tokens).
+"""
+
+
+def bench_markdown(summary: dict, machine: str, dtype: str, threads: int) -> str:
+    """bench.md: the setup, [`markdown_table`] and what its columns mean (`TABLE_LEGEND`)."""
+    return (f"Measured on {machine}, {dtype}, {threads} torch threads.\n\n" + markdown_table(summary) + "\n"
+            + TABLE_LEGEND)
+
+
 def markdown_table(summary: dict) -> str:
     lines = [
-        "| set | method | tree (DxKxN) | speedup | tokens/s | τ | 0-α | 1-α | 2-α | draft / verify / other ms per "
-        "cycle | greedy mismatches (near-ties) |",
+        ("| set | method | tree (DxKxN) | speedup | tokens/s | τ | 0-α | 1-α | 2-α | draft / verify / other ms per "
+         "cycle | greedy mismatches (near-ties) |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, methods in summary.items():
@@ -287,6 +310,13 @@ def save_plots(summary: dict, output_dir: Path, settings: dict | None = None) ->
     plt.close(figure)
 
 
+FIGURE_CAPTION = (
+    "Speedup: median over prompts of plain time / method time on the same prompt, on one scale for every set.\n"
+    "Hatched: cycles that emitted more tokens than the tree is deep (depth + 1), which only a context n-gram branch "
+    "can: a continuation of up to ngram_max_tokens tokens\ncopied from the prompt or the answer so far, accepted whole."
+)
+
+
 def plot_summary(summary: dict, settings: dict | None = None):
     """One row per prompt set: the speedup of every method over plain `generate`, the acceptance of each drafted
     position (n-α) and the distribution of tokens per target forward of every EAGLE-3 method, as bars labelled with
@@ -296,23 +326,25 @@ def plot_summary(summary: dict, settings: dict | None = None):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
     from matplotlib.ticker import PercentFormatter
 
     methods = [name for name in dict.fromkeys(name for entries in summary.values() for name in entries)
                if name != "plain"]
     colours = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(methods)}
-    figure, axes = plt.subplots(len(summary), 3, figsize=(17, 4.2 * len(summary) + 1.2), squeeze=False)
+    figure, axes = plt.subplots(len(summary), 3, figsize=(17, 4.2 * len(summary) + 1.8), squeeze=False)
+    # one speedup scale for every row, so that the sets compare at a glance
+    top_speedup = max([entry["speedup"] for entries in summary.values() for entry in entries.values()] + [1.0])
     for (speed, alpha, lengths), (set_name, entries) in zip(axes, summary.items()):
         shown = [name for name in methods if name in entries]
         labels = {name: _method_label(name, entries[name].get("shapes", [])) for name in shown}
         speedups = [entries[name]["speedup"] for name in shown]
         bars = speed.bar(range(len(shown)), speedups, color=[colours[name] for name in shown])
         speed.bar_label(bars, fmt="%.2fx", fontsize=8, padding=2)
-        speed.axhline(1.0, color="black", lw=0.8, ls="--")
-        speed.annotate("plain", (1, 1.0), xycoords=("axes fraction", "data"), xytext=(3, 0),
-                       textcoords="offset points", va="center", fontsize=8)
+        speed.axhline(1.0, color="black", lw=0.8, ls="--", label="plain generate (1x)")
+        speed.legend(fontsize=8, loc="upper left")
         speed.set_xticks(range(len(shown)), [labels[name] for name in shown], rotation=15, ha="right", fontsize=8)
-        speed.set_ylim(0, max(speedups + [1.0]) * 1.18)
+        speed.set_ylim(0, top_speedup * 1.3)
         speed.set(title=f"{set_name}: speedup over plain generate", xlabel="method",
                   ylabel="speedup (median over prompts)")
 
@@ -338,6 +370,10 @@ def plot_summary(summary: dict, settings: dict | None = None):
             shares = [histogram.get(n, 0) / sum(histogram.values()) for n in emitted]
             bars = lengths.bar([n + shift[name] for n in emitted], shares, width, color=colours[name],
                                label=labels[name])
+            longest_from_tree = len(entries[name]["n_alpha"]) + 1  # depth + 1: longer cycles took an n-gram branch
+            for n, bar in zip(emitted, bars):
+                if n > longest_from_tree:
+                    bar.set_hatch("//")
             lengths.bar_label(bars, labels=[f"{100 * share:.0f}%" if share else "" for share in shares], fontsize=7,
                               padding=1)
         lengths.set_xticks(emitted, [str(n) for n in emitted])
@@ -346,9 +382,12 @@ def plot_summary(summary: dict, settings: dict | None = None):
         lengths.set(title=f"{set_name}: tokens per target forward", ylabel="share of cycles",
                     xlabel="tokens a cycle emits (accepted drafted tokens + 1)")
         if drafted:
-            lengths.legend(fontsize=8, loc="upper right")
+            handles, _ = lengths.get_legend_handles_labels()
+            ngram = Patch(facecolor="white", edgecolor="grey", hatch="//", label="longer than the tree: an n-gram branch")
+            lengths.legend(handles=[*handles, ngram], fontsize=8, loc="upper right")
     figure.suptitle("hf-eagle3 bench" + (f": {settings_description(settings)}" if settings else ""), fontsize=10)
-    figure.tight_layout()
+    figure.text(0.5, 0.005, FIGURE_CAPTION, ha="center", va="bottom", fontsize=8.5)
+    figure.tight_layout(rect=(0, 0.055, 1, 1))
     return figure
 
 
@@ -375,6 +414,8 @@ def verification_cost_report(target, token_counts: list[int], layer_ids: list[in
 
 
 def _run(args: argparse.Namespace) -> None:
+    if not args.verification_cost:
+        require("`hf-eagle3 bench`", {"matplotlib": "bench", **prompt_set_packages(args.prompts)})
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
         print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output)))
@@ -399,8 +440,7 @@ def _run(args: argparse.Namespace) -> None:
     result["settings"] = {key: value for key, value in vars(args).items() if key != "run"} | {
         "machine": machine, "torch_threads": torch.get_num_threads()}
     (output_dir / "bench.json").write_text(json.dumps(result, indent=1))
-    table = (f"Measured on {machine}, {args.dtype}, {torch.get_num_threads()} torch threads.\n\n"
-             + markdown_table(result["summary"]))
+    table = bench_markdown(result["summary"], machine, args.dtype, torch.get_num_threads())
     (output_dir / "bench.md").write_text(table)
     save_plots(result["summary"], output_dir, result["settings"])
     print(table)
@@ -408,11 +448,15 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def register_cli(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="Speedup and acceptance of EAGLE-3 vs plain and prompt lookup.")
+    parser = subparsers.add_parser(
+        "bench", help="Speedup and acceptance of EAGLE-3 vs plain and prompt lookup.",
+        description="Time EAGLE-3 (chain, tree, and `auto`, the decoding `generate` uses by default) against plain "
+                    "generate and prompt lookup on MT-bench and HumanEval prompts, and write bench.json, bench.md "
+                    "(a table with a column legend) and bench.png to --output.")
     add_model_arguments(parser)
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
-    parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree"],
+    parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree", "auto"],
                         help="plain (first), prompt-lookup, compiled (static cache + torch.compile), chain, tree (the "
                              "draft's fixed defaults), tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this "
                              "machine); EAGLE-3 methods may end in +ngram / -ngram (context n-gram candidates in the "

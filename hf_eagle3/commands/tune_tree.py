@@ -12,7 +12,14 @@ import torch
 
 from ..decoding.calibration import MIN_PREDICTED_SPEEDUP, MachineCosts, ShapePrediction, measure_costs, predict
 from ..modeling_eagle3 import Eagle3DraftModel
-from ..resources.loading import add_model_arguments, load_models, load_prompt_set, save_draft, stored_dtype
+from ..resources.loading import (
+    add_model_arguments,
+    load_models,
+    load_prompt_set,
+    prompt_set_packages,
+    save_draft,
+    stored_dtype,
+)
 from ..training.profile import (
     PROFILE_MAX_DEPTH,
     PROFILE_MAX_TOTAL,
@@ -20,6 +27,7 @@ from ..training.profile import (
     PROFILE_TOP_KS,
     acceptance_profile,
 )
+from ..utils.extras import require
 
 
 def tune_tree(
@@ -47,6 +55,7 @@ def markdown_table(predictions: list[ShapePrediction], costs: MachineCosts, limi
 
 
 def _run(args: argparse.Namespace) -> None:
+    require("`hf-eagle3 tune-tree`", prompt_set_packages(args.prompts))
     target, tokenizer, draft = load_models(args)
     ngram_candidates = draft.config.ngram_candidates if args.ngram_candidates is None else args.ngram_candidates
     prompts = [p for name in args.prompts
@@ -102,7 +111,11 @@ def save_tuned_draft(draft: Eagle3DraftModel, profile: list[dict], predictions: 
 
 
 def register_cli(subparsers) -> None:
-    parser = subparsers.add_parser("tune-tree", help="Choose the tree shape that decodes fastest on this machine.")
+    parser = subparsers.add_parser(
+        "tune-tree", help="Choose the tree shape that decodes fastest on this machine.",
+        description="Measure the draft's acceptance (τ) of every tree shape on calibration prompts and this machine's "
+                    "draft and verification costs, print the shapes predicted fastest, and optionally save the draft "
+                    "with its acceptance profile and tree_shape='auto' (--save-to).")
     add_model_arguments(parser)
     parser.add_argument("--prompts", nargs="+", default=["calibration"],
                         help="prompt sets (see bench); 'calibration' is none of the benchmark's first prompts")

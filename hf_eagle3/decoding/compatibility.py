@@ -1,11 +1,15 @@
 """Checks that a draft fits a target before anything runs, and the transformers versions we support."""
 
+import os
+from pathlib import Path
+
 import transformers
 from packaging.version import Version
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
 from ..configuration_eagle3 import Eagle3Config, default_target_layer_ids
+from ..utils.fingerprint import weights_fingerprint
 
 logger = logging.get_logger(__name__)
 # `hf_eagle3.decoding.generate` replaces private generation methods whose signatures change between releases.
@@ -88,13 +92,30 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> 
             "This EAGLE-3 draft does not fit the target model: " + "; ".join(problems) + ". Use a draft trained "
             "for this target (its config records `target_name_or_path`), or train one with `hf-eagle3 train`."
         )
-    trained_for, target_name = model_name(draft_config.target_name_or_path), model_name(target.config.name_or_path)
-    if trained_for and target_name and trained_for != target_name:
+    if trained_for_another_model(draft_config, target):
         logger.warning_once(
-            f"This EAGLE-3 draft was trained for {draft_config.target_name_or_path!r}, and the target is "
-            f"{target.config.name_or_path!r}: its shapes fit, so decoding stays lossless, but a draft trained for "
-            "another model accepts few tokens. Use the draft made for this target."
+            f"This EAGLE-3 draft was trained for {draft_config.target_name_or_path!r}, and the target "
+            f"{target.config.name_or_path!r} is another model (its config or weights differ from what the draft "
+            "records): its shapes fit, so decoding stays lossless, but a draft trained for another model accepts few "
+            "tokens. Use the draft made for this target."
         )
+
+
+def trained_for_another_model(draft_config: Eagle3Config, target: PreTrainedModel) -> bool:
+    """Whether `target` is another model than the one the draft was trained for, by what identifies a model rather
+    than its path: the weights' fingerprint when the draft records one (`target_fingerprint`), else the recorded
+    architecture (model type, layers), else the names when the target's is a Hub id rather than a local folder."""
+    trained_for, target_name = model_name(draft_config.target_name_or_path), model_name(target.config.name_or_path)
+    if not trained_for or not target_name or trained_for == target_name:
+        return False
+    if draft_config.target_fingerprint is not None:
+        return weights_fingerprint(target) != draft_config.target_fingerprint
+    target_config = target.config.get_text_config()
+    if draft_config.target_model_type not in (None, target_config.model_type) or \
+            draft_config.target_num_hidden_layers not in (None, target_config.num_hidden_layers):
+        return True
+    name = str(target.config.name_or_path)
+    return not (os.path.isabs(name) or name.startswith(".") or Path(name).exists())
 
 
 def record_target_special_tokens(draft_config: Eagle3Config, target: PreTrainedModel) -> None:

@@ -128,4 +128,6 @@ def tree_attention_mask(
             key_positions = torch.cat([prefix_indices, prefix_length + depths])[None]
         query_positions = key_positions[:, prefix_length:]  # [B, n]
         visible = visible & (query_positions[:, :, None] - key_positions[:, None, :] < sliding_window)
-    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+    # built in `dtype`: a float32 minimum would not hold float64's
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]

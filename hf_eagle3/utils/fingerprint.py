@@ -48,3 +48,17 @@ def tokenizer_fingerprint(tokenizer) -> dict:
         "special_tokens": digest(tokenizer.special_tokens_map),
         "chat_template": digest(tokenizer.chat_template),
     }
+
+
+def weights_fingerprint(model) -> str:
+    """What identifies a model whatever dtype and path it was loaded from: its architecture and a hash of its input and
+    output embeddings in bfloat16 (float32, bfloat16 and float16 copies of one checkpoint agree), so that a local
+    copy of a model matches its Hub original and two models of one shape do not."""
+    config = model.config.get_text_config()
+    architecture = {name: getattr(config, name, None) for name in (
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads")}
+    embeddings = [module.weight for module in (model.get_input_embeddings(), model.get_output_embeddings())
+                  if module is not None]
+    return digest([architecture, [tensor_digest(weight.detach().flatten()[:65536].to(torch.bfloat16))
+                                  for weight in embeddings]])

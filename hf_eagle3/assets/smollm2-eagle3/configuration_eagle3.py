@@ -65,6 +65,10 @@ class Eagle3Config(PreTrainedConfig):
             `model_type` of the target the draft was trained for (e.g. `"llama"`), recorded for checks and cards.
         target_name_or_path (`str`, *optional*):
             Hub id or path of the target the draft was trained for, recorded for checks and cards.
+        target_fingerprint (`str`, *optional*):
+            What identifies the target the draft was trained for whatever its path (its architecture and a hash of
+            its embeddings, `hf_eagle3.utils.fingerprint.weights_fingerprint`), recorded by `hf-eagle3 train`, so that
+            a target loaded from a local copy is recognised and another model of the same shapes is not.
         bos_token_id (`int`, *optional*):
             The target's beginning-of-sequence token id. Like `eos_token_id` and `pad_token_id`, recorded from the
             target's config when the draft is attached to it (`generate`, `pipeline`): a draft shares its target's
@@ -176,6 +180,7 @@ class Eagle3Config(PreTrainedConfig):
     target_num_hidden_layers: int | None = None
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    target_fingerprint: str | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
