@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast, pipeline
 from hf_eagle3 import Eagle3DraftModel
 
 PROMPT = "w5 w17 w9 w33"
-GREEDY = dict(max_new_tokens=24, do_sample=False)
+GREEDY = {"max_new_tokens": 24, "do_sample": False}
 
 
 @pytest.fixture(scope="module")
