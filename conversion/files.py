@@ -25,14 +25,23 @@ def load_source(folder: Path) -> SourceFiles:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{folder} has no config.json; point at the folder of a saved draft checkpoint.")
-    return SourceFiles(path=folder, config=read_json(config_file), tensors=_load_weights(folder))
+    return SourceFiles(path=folder, config=read_json_object(config_file), tensors=_load_weights(folder))
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ConversionError(f"Cannot read {path}: {error}") from error
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that holds an object (a config, an index), refused naming the file when it holds anything else."""
+    content = read_json(path)
+    if not isinstance(content, dict):
+        raise ConversionError(f"{path} holds a JSON {type(content).__name__}, not an object of named fields: it is "
+                              "damaged, or not a checkpoint's file.")
+    return content
 
 
 def write_checkpoint_files(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -70,20 +79,30 @@ def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
         if not path.is_file():
             continue
         if name.endswith(".index.json"):
-            weight_map = read_json(path).get("weight_map")
+            weight_map = read_json_object(path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConversionError(f"{path} has no weight_map: it does not index any shard.")
             shards = sorted(set(weight_map.values()))
-            inside = folder.resolve()
+            allowed = _shard_folders(folder)
             for shard in shards:
                 shard_path = (folder / shard).resolve()
-                if inside not in shard_path.parents:
+                if not any(allowed_folder in shard_path.parents for allowed_folder in allowed):
                     raise ConversionError(f"{path} lists {shard!r}, which lies outside {folder}: refusing to read it.")
                 if not shard_path.is_file():
                     raise ConversionError(f"{path} lists {shard!r}, which is missing from {folder}.")
             return {key: tensor for shard in shards for key, tensor in _load_weight_file(folder / shard).items()}
         return _load_weight_file(path)
     raise ConversionError(f"{folder} holds no weights: expected one of {', '.join(WEIGHT_FILES)}.")
+
+
+def _shard_folders(folder: Path) -> list[Path]:
+    """Where the shards of `folder` may lie once links are followed: in `folder`, and for a snapshot of the Hub cache
+    (`models--ORG--NAME/snapshots/REVISION/`, whose files are links to `../../blobs/`) in its own repo's `blobs/`."""
+    folder = folder.resolve()
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return [folder, repo / "blobs"]
+    return [folder]
 
 
 def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:

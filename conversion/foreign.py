@@ -57,4 +57,9 @@ def _is_foreign(source: str | Path, hub_kwargs: dict) -> bool:
         config, _ = PreTrainedConfig.get_config_dict(source, **hub_kwargs)
     except (OSError, ValueError):
         return False
+    if not isinstance(config, dict):  # an unreadable config, as transformers reports one that is not JSON
+        raise OSError(
+            f"The config.json of {source!r} holds a JSON {type(config).__name__}, not an object of config fields: it "
+            "is damaged. Save or download the draft again."
+        )
     return config.get("model_type") != Eagle3Config.model_type

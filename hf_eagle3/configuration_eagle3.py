@@ -1,9 +1,12 @@
 """Configuration of the EAGLE-3 draft model."""
 
+from typing import Literal
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+from transformers.utils.type_validators import interval
 
 
 @strict
@@ -194,13 +197,14 @@ class Eagle3Config(PreTrainedConfig):
     qk_norm: bool = False
     share_target_embedding: bool = True
     share_target_lm_head: bool = False
-    tree_depth: int = 6
-    tree_top_k: int = 8
-    tree_total_tokens: int = 60
-    tree_shape: str = "fixed"
+    # decoding settings, also validated when assigned after construction (`draft.config.tree_depth = 4`)
+    tree_depth: int = interval(min=1)(default=6)
+    tree_top_k: int = interval(min=1)(default=8)
+    tree_total_tokens: int = interval(min=1)(default=60)
+    tree_shape: Literal["fixed", "auto"] = "fixed"
     ngram_candidates: bool = True
-    ngram_max_match: int = 3
-    ngram_max_tokens: int = 10
+    ngram_max_match: int = interval(min=1)(default=3)
+    ngram_max_tokens: int = interval(min=1)(default=10)
     acceptance_profile: list[dict] | None = None
     converted_from: dict | None = None
     tie_word_embeddings: bool = False
@@ -261,11 +265,6 @@ class Eagle3Config(PreTrainedConfig):
                 problems.append(f"target_layer_ids must be non-negative, got {self.target_layer_ids}")
             if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
                 problems.append(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
-        for name in ("tree_depth", "tree_top_k", "tree_total_tokens", "ngram_max_match", "ngram_max_tokens"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tree_shape not in ("fixed", "auto"):
-            problems.append(f"tree_shape must be 'fixed' or 'auto', got {self.tree_shape!r}")
         if self.tree_shape == "auto" and not self.acceptance_profile:
             problems.append(
                 "tree_shape='auto' needs an acceptance_profile (record one with `hf-eagle3 tune-tree --save-to`)"

@@ -1,5 +1,6 @@
 """Checkpoint files: sharded, malformed or damaged input is refused and a failed conversion writes nothing."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -9,9 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_draft
-from conversion_fixtures import DRAFT_VOCAB, TARGET_LAYERS, VOCAB, official_fixture, sglang_fixture, write_json
+from conversion_fixtures import (
+    DRAFT_VOCAB,
+    TARGET_LAYERS,
+    VOCAB,
+    official_fixture,
+    sglang_fixture,
+    sglang_sharded_fixture,
+    write_json,
+)
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file, save_file
+
+from hf_eagle3 import Eagle3DraftModel
+from hf_eagle3.commands import cli
 
 
 def test_sharded_checkpoint_is_read_whole(tmp_path):
@@ -153,6 +165,36 @@ def test_damaged_weight_files_are_named_not_tracebacks(tmp_path, damage, message
             torch.save(contents, source / "pytorch_model.bin")
     with pytest.raises(ConversionError, match=message):
         convert(source, tmp_path / "out")
+
+
+def hub_cache_snapshot(folder: Path, cache: Path) -> Path:
+    """`folder`'s files as the Hub cache stores a download: `snapshots/<revision>/<name>` links to `../../blobs/<sha>`."""
+    repo = cache / "models--org--draft"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for file in folder.iterdir():
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(blobs / blob)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+    return snapshot
+
+
+def test_a_sharded_foreign_checkpoint_in_the_hub_cache_converts_and_loads(tmp_path):
+    (tmp_path / "download").mkdir()
+    fixture = sglang_sharded_fixture(tmp_path / "download")
+    snapshot = hub_cache_snapshot(tmp_path / "download", tmp_path / "hub-cache")
+    cli.main(["convert", str(snapshot), str(tmp_path / "out")])
+    draft = Eagle3DraftModel.from_pretrained(snapshot)
+    assert torch.equal(draft.fc.weight.to(fixture.tensors["fc.weight"].dtype), fixture.tensors["fc.weight"])
+    # a link that leaves the repo's cache folder is still refused
+    shard = snapshot / "model-00001-of-00002.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(SystemExit, match="lies outside"):
+        cli.main(["convert", str(snapshot), str(tmp_path / "out2")])
 
 
 def test_a_killed_conversions_staging_folder_is_removed_by_the_next_run(tmp_path):

@@ -1,13 +1,18 @@
 """Data preparation: robust reading, assistant-only loss masks, regeneration by the target, resumable shards."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from hf_eagle3.commands.cli import main
 from hf_eagle3.training.data import (
+    MAX_MESSAGES,
+    MAX_RECORD_BYTES,
     SkipCounts,
     load_dataset,
     prepare_dataset,
@@ -48,6 +53,15 @@ def tiny_chat_target(tokenizer):
         bos_token_id=None,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tokenizer, tiny_chat_target):
+    """The tiny chat target saved with its tokenizer, as `prepare-data --target DIR` reads it."""
+    directory = tmp_path_factory.mktemp("target")
+    tiny_chat_target.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def conversation(*contents):
@@ -182,7 +196,7 @@ def test_prepare_grows_a_dataset_with_a_larger_limit(tmp_path, tokenizer, tiny_c
 def test_no_usable_conversation_is_an_error_with_the_counts(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text("{oops\n" + json.dumps({"messages": []}) + "\n")
-    with pytest.raises(ValueError, match="1 bad JSON line, 1 empty conversation"):
+    with pytest.raises(ValueError, match=rf"1 bad JSON line \({path}:1\), 1 empty conversation \({path}:2\)"):
         prepare_dataset([path], tmp_path / "out", tokenizer, progress=False)
 
 
@@ -304,3 +318,91 @@ def test_regeneration_shows_one_bar_over_the_run_counting_conversations_towards_
     drawn = [line for line in bar if line.startswith("regenerating")]
     assert drawn[-1].startswith("regenerating: 100%") and "6/6 [" in drawn[-1] and "conversation/s]" in drawn[-1]
     assert not any(line.startswith("regenerating:   0%") for line in drawn[1:])  # never restarts at a shard
+
+
+def test_a_record_with_invalid_utf8_or_nested_too_deep_is_skipped_and_named_by_file_and_line(tmp_path, target_dir,
+                                                                                            capsys):
+    lines = [json.dumps(sharegpt_record(f"question {i}", f"answer {i}")).encode() for i in range(10_000)]
+    lines[397] = json.dumps(sharegpt_record("caf\u00e9?", "yes"), ensure_ascii=False).encode().replace(
+        "\u00e9".encode(), b"\xe9")  # Latin-1 in a UTF-8 file
+    lines[4999] = b"[" * 10_000 + b"]" * 10_000
+    for suffix, text in ((".jsonl", b"\n".join(lines)), (".json", b"[" + b",\n".join(lines) + b"]")):
+        path = tmp_path / f"chat{suffix}"
+        path.write_bytes(text)
+        skipped = SkipCounts()
+        assert len(list(read_conversations(path, skipped))) == 9_998
+        assert skipped.summary() == f"1 invalid UTF-8 ({path}:398), 1 record nested too deep ({path}:5000)"
+    short = tmp_path / "short.jsonl"  # the same, through the command, on few records
+    short.write_bytes(b"\n".join(lines[395:400] + lines[4999:5001]))
+    main(["prepare-data", "--input", str(short), "--output", str(tmp_path / "out"), "--target", str(target_dir)])
+    assert capsys.readouterr().out.strip().endswith(
+        f"5 conversations, {sum(len(e.input_ids) for e in load_dataset(tmp_path / 'out'))} tokens in "
+        f"{tmp_path / 'out'}; skipped: 1 invalid UTF-8 ({short}:3), 1 record nested too deep ({short}:6)")
+
+
+def test_a_record_or_conversation_over_the_stated_size_is_skipped_and_counted(tmp_path, target_dir, capsys):
+    turns = [("human", "gpt")[i % 2] for i in range(MAX_MESSAGES + 1)]
+    long_conversation = {"conversations": [{"from": role, "value": "hi"} for role in turns]}
+    lines = [
+        json.dumps(sharegpt_record("kept?", "yes")),
+        json.dumps(sharegpt_record("x" * MAX_RECORD_BYTES, "too long to read")),
+        json.dumps(long_conversation),
+        json.dumps(sharegpt_record("also kept?", "yes")),
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines))
+    main(["prepare-data", "--input", str(path), "--output", str(tmp_path / "out"), "--target", str(target_dir)])
+    assert capsys.readouterr().out.strip().endswith(
+        f"skipped: 1 conversation over {MAX_MESSAGES} messages ({path}:3), 1 record over {MAX_RECORD_BYTES} bytes "
+        f"({path}:2)")
+    assert [example.messages for example in load_dataset(tmp_path / "out")] == [
+        conversation("kept?", "yes"), conversation("also kept?", "yes")]
+
+
+def test_tokenizing_a_long_conversation_renders_it_a_number_of_times_independent_of_its_length(tokenizer,
+                                                                                               monkeypatch):
+    rendered = []  # messages rendered by the chat template, call by call
+    apply_chat_template = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template",
+                        lambda messages, **kwargs: rendered.append(len(messages)) or apply_chat_template(messages,
+                                                                                                          **kwargs))
+    for turns in (200, 2_000):
+        rendered.clear()
+        messages = conversation(*(f"turn {i}" for i in range(turns)))
+        input_ids, loss_mask = tokenize_conversation(tokenizer, messages, max_length=64)
+        assert (input_ids, loss_mask) == tokenize_conversation(tokenizer, messages[:40], max_length=64)
+        assert sum(rendered[1:]) < 1_000 and rendered[0] == turns  # the whole conversation once, then its start
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_utf8_byte_order_mark_does_not_cost_the_first_record(tmp_path, target_dir, capsys, suffix):
+    records = [sharegpt_record(f"question {i}?", f"answer {i}") for i in range(3)]
+    text = "\n".join(map(json.dumps, records)) if suffix == ".jsonl" else json.dumps(records)
+    path = tmp_path / f"chat{suffix}"
+    path.write_text(text, encoding="utf-8-sig")  # as Windows tools save UTF-8
+    main(["prepare-data", "--input", str(path), "--output", str(tmp_path / "out"), "--target", str(target_dir)])
+    assert "skipped: none" in capsys.readouterr().out
+    assert [example.messages[0]["content"] for example in load_dataset(tmp_path / "out")] == [
+        "question 0?", "question 1?", "question 2?"]
+
+
+FILE_SIZE_LIMIT = """
+import resource, signal, sys
+from hf_eagle3.commands.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+main(sys.argv[1:])
+"""
+
+
+def test_prepare_data_under_a_file_size_limit_names_the_file_and_the_fix(tmp_path, target_dir):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(sharegpt_record(f"question {i}? " * 20, f"answer {i} " * 20))
+                              for i in range(100)))
+    output = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT, "prepare-data", "--input", str(path), "--output",
+                             str(output), "--target", str(target_dir), "--shard-size", "50"],
+                            check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert f"error: Cannot write {output / 'shard-00000.jsonl'} (File too large): free disk space" in result.stderr
+    assert not list(output.glob("*.partial"))

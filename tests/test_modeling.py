@@ -5,13 +5,14 @@ import json
 import pytest
 import torch
 from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
-from huggingface_hub.errors import StrictDataclassClassValidationError
-from safetensors.torch import load_file
+from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel, check_compatibility
+from hf_eagle3.commands import cli
 from hf_eagle3.decoding.tree import ancestor_matrix
 
 
@@ -356,3 +357,55 @@ def test_variant_weights_have_the_names_public_checkpoints_use():
     assert tiny_draft(num_hidden_layers=2).extra_layers[0].self_attn.q_proj.in_features == HIDDEN
     with pytest.raises(StrictDataclassClassValidationError, match="fc_norm and norm_before_fc are exclusive"):
         tiny_draft(fc_norm=True, norm_before_fc=True)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("ngram_max_match", -1, "greater or equal to 1, got -1"),
+    ("tree_depth", 0, "greater or equal to 1, got 0"),
+    ("tree_shape", "fastest", "expected one of \\('fixed', 'auto'\\)"),
+    ("ngram_candidates", "no", "expected bool, got str"),
+])
+def test_decoding_settings_assigned_after_construction_are_validated_like_at_construction(name, value, message):
+    draft = tiny_draft()
+    with pytest.raises(StrictDataclassFieldValidationError, match=f"(?s)field '{name}'.*{message}"):
+        setattr(draft.config, name, value)
+    with pytest.raises(StrictDataclassFieldValidationError, match=f"(?s)field '{name}'.*{message}"):
+        tiny_draft(**{name: value})
+    draft.config.tree_depth = 3  # a valid one is kept and saved
+    assert Eagle3Config.from_dict(draft.config.to_dict()).tree_depth == 3
+
+
+def test_ngram_candidates_given_to_generate_as_a_string_is_refused_not_read_as_true(llama_target, fitted_draft):
+    prompt = torch.tensor([[5, 17, 33, 2, 61]])
+    with pytest.raises(TypeError, match="ngram_candidates must be True or False, got 'no'"):
+        llama_target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=fitted_draft,
+                              ngram_candidates="no")
+
+
+def _nan_weights(folder):
+    weights = load_file(folder / "model.safetensors")
+    save_file({name: tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+               for name, tensor in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _narrower_fc(folder):
+    weights = load_file(folder / "model.safetensors")
+    save_file(weights | {"fc.weight": weights["fc.weight"][:, :-1].contiguous()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, message, convert_message", [
+    (_nan_weights, r"has NaN or infinite values in fc\.weight, .*midlayer\.self_attn\.q_proj\.weight",
+     r"NaN or infinite values in fc\.weight"),
+    (lambda folder: (folder / "config.json").write_text("[1, 2]"),
+     r"The config.json of .* holds a JSON list, not an object of config fields", r"config.json holds a JSON list"),
+    (_narrower_fc, rf"wrong shape fc\.weight \(32, 95\) \(its config expects \(32, 96\)\)",
+     r"fc\.weight \(32, 95\) \(expected \(32, 96\)\)"),
+])
+def test_a_damaged_draft_folder_is_refused_naming_what_is_wrong(tmp_path, damage, message, convert_message):
+    tiny_draft().save_pretrained(tmp_path / "draft")
+    damage(tmp_path / "draft")
+    with pytest.raises((ValueError, OSError), match=message):
+        Eagle3DraftModel.from_pretrained(tmp_path / "draft")
+    with pytest.raises(SystemExit, match=convert_message):
+        cli.main(["convert", str(tmp_path / "draft"), str(tmp_path / "converted")])

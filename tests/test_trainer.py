@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
 from hf_eagle3 import Eagle3DraftModel
+from hf_eagle3.commands import cli
 from hf_eagle3.training import trainer as trainer_module
 from hf_eagle3.training.data import Example
 from hf_eagle3.training.trainer import (
@@ -579,3 +580,51 @@ def test_the_target_comes_from_the_data_and_another_one_is_refused_naming_both(d
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="does not record the target it was prepared for.*pass --target"):
         trainer_module.resolve_target(config_for(dataset, tmp_path / "run"))
+
+
+def train_cli_arguments(data, target_dir, output_dir, *extra):
+    return ["train", "--data", str(data), "--target", str(target_dir), "--output-dir", str(output_dir),
+            "--draft-vocab-size", "64", "--intermediate-size", "64", "--batch-size", "4", "--ttt-steps", "1",
+            "--warmup-steps", "1", "--save-every", "2", "--eval-batches", "0", "--profile-prompts", "0",
+            "--threads", "1", *extra]
+
+
+def test_a_resumed_run_refuses_data_that_changed_since_its_checkpoint_unless_told(dataset, target, tmp_path, capsys):
+    import shutil
+
+    data, target_dir, run = tmp_path / "data", tmp_path / "target", tmp_path / "run"
+    shutil.copytree(dataset, data)
+    target.save_pretrained(target_dir)
+    cli.main(train_cli_arguments(data, target_dir, run, "--max-steps", "2"))
+    shard = data / "shard-00000.jsonl"
+    original = shard.read_text()
+    lines = original.splitlines(keepends=True)
+    edited = json.loads(lines[3]) | {"input_ids": [1] * 32}
+    for change, message in [
+        (lambda: shard.write_text("".join(lines[:-8])), "shard-00000.jsonl changed"),  # shrunk
+        (lambda: shard.write_text("".join(lines[:3] + [json.dumps(edited) + "\n"] + lines[4:])),
+         "shard-00000.jsonl changed"),  # edited
+        (lambda: (data / "shard-00001.jsonl").write_text("".join(lines[:8])), "shard-00001.jsonl added"),  # grown
+    ]:
+        change()
+        with pytest.raises(SystemExit, match=f"--resume: the data changed since checkpoint-000002 .*{message}.*"
+                                             "pass --allow-data-change to continue on the new data"):
+            cli.main(train_cli_arguments(data, target_dir, run, "--max-steps", "4", "--resume"))
+        shard.write_text(original)
+        (data / "shard-00001.jsonl").unlink(missing_ok=True)
+    assert latest_checkpoint(run).name == "checkpoint-000002"  # nothing trained on the other data
+    shard.write_text("".join(lines[:-8]))
+    cli.main(train_cli_arguments(data, target_dir, run, "--max-steps", "4", "--resume", "--allow-data-change"))
+    assert "continuing on the new data (--allow-data-change)" in capsys.readouterr().out
+    assert latest_checkpoint(run).name == "checkpoint-000004"
+    cli.main(train_cli_arguments(data, target_dir, run, "--max-steps", "6", "--resume"))  # its data now: resumes
+    assert latest_checkpoint(run).name == "checkpoint-000006"
+
+
+def test_a_length_cap_that_leaves_the_answers_out_of_the_loss_stops_before_training(dataset, target, tmp_path):
+    target.save_pretrained(tmp_path / "target")
+    with pytest.raises(SystemExit, match=r"Only 0 of the 288 tokens of .* within --max-length 6 are answer tokens the "
+                                         r"loss covers \(0.00%, under 1%\).*answers start at token 6 on median.*"
+                                         "Raise --max-length"):
+        cli.main(train_cli_arguments(dataset, tmp_path / "target", tmp_path / "run", "--max-length", "6"))
+    assert latest_checkpoint(tmp_path / "run") is None and not (tmp_path / "run" / "draft").exists()

