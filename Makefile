@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test
+.PHONY: demo test interop
 
 $(BIN)/hf-eagle3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,3 +21,7 @@ demo: $(BIN)/hf-eagle3
 
 test: $(BIN)/hf-eagle3
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# hf-eagle3 against the published speculators and SpecForge (docs/interop.md); builds .interop-venv from the registry
+interop: $(BIN)/hf-eagle3
+	$(BIN)/python tests/interop/run.py

@@ -15,8 +15,9 @@ Every format is read into one [`DraftCheckpoint`] (our config and weight names, 
 >>> convert("EAGLE3-LLaMA3.1-Instruct-8B", "draft", target=TargetInfo(num_hidden_layers=32))  # doctest: +SKIP
 ```
 The command line is `hf-eagle3 convert SRC DST [--from FORMAT] [--to FORMAT]`; `Eagle3DraftModel.from_pretrained` reads
-foreign folders through `read_checkpoint` directly. Where a format's engines read a checkpoint differently, the reading
-chosen is recorded in the converted config (`converted_from["notes"]`); what no reading makes faithful is refused.
+foreign folders through `foreign.read_foreign`, which `import hf_eagle3` registers with it. Where a format's engines
+read a checkpoint differently, the reading chosen is recorded in the converted config (`converted_from["notes"]`);
+what no reading makes faithful is refused.
 """
 
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo, UnknownFormatError

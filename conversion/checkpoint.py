@@ -7,6 +7,7 @@ module only renames keys and translates config fields.
 """
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,8 @@ class DraftCheckpoint:
 
     config: Eagle3Config
     tensors: dict[str, torch.Tensor]
+    # The target's input embedding, for formats whose loaders need a shared embedding written (speculators).
+    target_embedding: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -124,7 +127,18 @@ class DraftCheckpoint:
         config.share_target_embedding = True
         _check_embedding_width(config)
         tensors = {name: tensor for name, tensor in self.tensors.items() if name != "embed_tokens.weight"}
-        return DraftCheckpoint(config, tensors)
+        return DraftCheckpoint(config, tensors, self.tensors.get("embed_tokens.weight"))
+
+    def with_target_embedding(self, embedding: torch.Tensor) -> "DraftCheckpoint":
+        """This draft together with its target's input embedding `[vocab_size, hidden_size]`, which exports to
+        formats whose loaders need it write as the draft's own `embed_tokens` (the config still says it is shared)."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(embedding.shape) != expected:
+            raise ConversionError(
+                f"The target's input embedding has shape {tuple(embedding.shape)}, the draft expects {expected} "
+                "(vocab_size, hidden_size): it is not the embedding of this draft's target."
+            )
+        return dataclasses.replace(self, target_embedding=embedding.to(self.dtype).contiguous())
 
     @property
     def dtype(self) -> torch.dtype:

@@ -42,6 +42,12 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         help="SRC's embed_tokens is the target's input embedding: drop it and share the target's at run time",
     )
     parser.add_argument(
+        "--target-embedding",
+        metavar="TARGET",
+        help="the target's folder or Hub id: its input embedding is written with a draft that shares it, for formats "
+        "whose loaders need it (speculators)",
+    )
+    parser.add_argument(
         "--yarn-mscale",
         choices=YARN_MSCALE_READINGS,
         default="transformers",
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> None:
         target=_target_info(args),
         share_target_embedding=args.share_target_embedding,
         yarn_mscale=args.yarn_mscale,
+        target_embedding=args.target_embedding,
     )
     config = checkpoint.config
     print(

@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from . import hub, modelopt, official, sglang, speculators
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, TargetInfo, UnknownFormatError
 from .fields import refuse_last_layer_tap
-from .files import load_source
+from .files import input_embedding, load_source
 
 FORMATS: dict[str, CheckpointFormat] = {
     checkpoint_format.name: checkpoint_format
@@ -117,16 +117,23 @@ def convert(
     target: TargetInfo | None = None,
     share_target_embedding: bool = False,
     yarn_mscale: str = "transformers",
+    target_embedding: str | Path | None = None,
 ) -> tuple[DraftCheckpoint, str]:
     """Convert the draft at `source` into a new folder `destination`; return the checkpoint and the source format.
 
     `share_target_embedding=True` states that the checkpoint's own `embed_tokens` is the target's input embedding:
     it is dropped and the draft shares the target's at run time. `yarn_mscale` picks how a YaRN draft's `mscale`
-    keys are read (see `ReadOptions`). Nothing is written when anything fails.
+    keys are read (see `ReadOptions`). `target_embedding` (the target's folder or Hub id) gives the input embedding
+    that formats whose loaders need it (speculators) store with a draft sharing it. Nothing is written when anything
+    fails.
     """
     checkpoint, source_format = read_checkpoint(source, from_format, target, ReadOptions(yarn_mscale=yarn_mscale))
     if share_target_embedding:
         checkpoint = checkpoint.sharing_target_embedding()
+    if target_embedding is not None and checkpoint.config.share_target_embedding:
+        folder = _local_folder(target_embedding, {"allow_patterns": ["*.safetensors", "*.json"]})
+        embedding = input_embedding(folder, checkpoint.config.vocab_size, checkpoint.config.hidden_size)
+        checkpoint = checkpoint.with_target_embedding(embedding)
     write_checkpoint(checkpoint, destination, to_format)
     return checkpoint, source_format
 

@@ -27,6 +27,8 @@ DECODER_LAYER_FIELDS = (
     "attention_bias",
     "mlp_bias",
 )
+# The target's special-token ids, which the libraries write into a draft's config.
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _LAYER_INPUT_FIELDS = (
     *DECODER_LAYER_FIELDS,
     "vocab_size",
@@ -87,6 +89,7 @@ def draft_fields(
         "draft_vocab_size": draft_config.get("draft_vocab_size"),
         "target_hidden_size": draft_config.get("target_hidden_size"),
         "target_model_type": draft_config.get("target_model_type"),
+        **{name: layer_config[name] for name in SPECIAL_TOKEN_FIELDS if layer_config.get(name) is not None},
         "converted_from": {"format": format_name, "notes": notes},
     }
 
@@ -191,24 +194,32 @@ def head_fields(fields: dict[str, Any], settings: dict[str, Any], tensors: dict[
 
 
 def llama_fields(config: Eagle3Config) -> dict[str, Any]:
-    """The Llama config of `config`'s decoder layer, RoPE in the `rope_theta` / `rope_scaling` form engines read."""
+    """The Llama config of `config`'s decoder layer as the libraries write it: RoPE both in the `rope_theta` /
+    `rope_scaling` form engines on transformers 4 read and in transformers 5's `rope_parameters`, the target's
+    special-token ids, and a sliding window that Qwen3's config keeps (it drops `sliding_window` unless
+    `use_sliding_window`)."""
     rope_scaling = dict(config.rope_parameters)
     rope_theta = rope_scaling.pop("rope_theta")
+    sliding = {"layer_types": config.layer_types, "sliding_window": config.sliding_window, "use_sliding_window": True}
     return {
         **{name: getattr(config, name) for name in DECODER_LAYER_FIELDS},
         "vocab_size": config.vocab_size,
         "num_hidden_layers": config.num_hidden_layers,
         "rope_theta": rope_theta,
         "rope_scaling": None if rope_scaling.get("rope_type") == "default" else rope_scaling,
-        **({"layer_types": config.layer_types, "sliding_window": config.sliding_window} if config.layer_types else {}),
+        "rope_parameters": dict(config.rope_parameters),
+        **{name: getattr(config, name) for name in SPECIAL_TOKEN_FIELDS if getattr(config, name) is not None},
+        **(sliding if config.layer_types else {}),
         "tie_word_embeddings": False,
     }
+
 
 
 # Where our exports keep, inside a foreign config, the hf-eagle3 fields its engines have no key for (they ignore
 # unknown keys); our readers restore them, so a round trip through the format keeps the whole config.
 CARRIED_CONFIG_KEY = "hf_eagle3"
 CARRIED_FIELDS = (
+    "share_target_embedding",
     "target_num_hidden_layers",
     "target_name_or_path",
     "target_fingerprint",

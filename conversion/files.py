@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .checkpoint import ConversionError, SourceFiles
@@ -48,6 +48,27 @@ def write_checkpoint_files(folder: Path, config: dict[str, Any], tensors: dict[s
     """Write `config.json` and `model.safetensors` the way `save_pretrained` names them."""
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def input_embedding(folder: Path, vocab_size: int, hidden_size: int) -> torch.Tensor:
+    """The `[vocab_size, hidden_size]` input embedding (`*embed_tokens.weight`) of the model saved in `folder` (a
+    target), read alone from its safetensors weights."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        located = [(folder / shard, name) for name, shard in read_json(index).get("weight_map", {}).items()]
+    elif (folder / "model.safetensors").is_file():
+        with safe_open(folder / "model.safetensors", "pt") as weights:
+            located = [(folder / "model.safetensors", name) for name in weights.keys()]  # noqa: SIM118
+    else:
+        raise ConversionError(f"{folder} has no safetensors weights to read the target's input embedding from.")
+    for path, name in located:
+        if name.endswith("embed_tokens.weight"):
+            with safe_open(path, "pt") as weights:
+                if tuple(weights.get_slice(name).get_shape()) == (vocab_size, hidden_size):
+                    return weights.get_tensor(name)
+    raise ConversionError(
+        f"{folder} holds no [{vocab_size}, {hidden_size}] embed_tokens.weight: it is not the draft's target."
+    )
 
 
 def _load_weights(folder: Path) -> dict[str, torch.Tensor]:

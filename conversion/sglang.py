@@ -5,16 +5,17 @@ safetensors. The config is a Llama config plus `draft_vocab_size`, `target_hidde
 `eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as *outputs* of target layers (or a top-level
 `eagle_aux_hidden_state_layer_ids` in `hidden_states` indices, which vLLM reads). AngelSlim writes the same files
 under vLLM's architecture name `Eagle3LlamaForCausalLM`, without layer ids. EAGLE 3.1 drafts set `fc_norm` (weights
-`fc_norm.{0,1,2}`) and `norm_output` (SpecForge's current meaning: the state fed back is taken after the final norm);
-`norm_before_residual` / `norm_before_fc` are read as vLLM reads them in this format (SGLang ignores them). Only one
-decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`,
-silently skips unknown weights and always replaces the draft's embedding with the target's, so the export writes
+`fc_norm.{0,1,2}`) and `norm_output`, read in SpecForge's current meaning (the state fed back is taken after the final
+norm; SpecForge 0.2.0 meant "final norm before lm_head"), which the export never writes: its absence is plain EAGLE-3
+in both; `norm_before_residual` / `norm_before_fc` are read as vLLM reads them in this format (SGLang ignores them).
+Only one decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`, silently skips unknown weights and always replaces the draft's embedding with the target's, so the export writes
 exactly the weights SGLang uses and refuses a draft with an embedding of its own. What SGLang has no key for (the
 target's id and layer count, the draft tree settings) is kept under `hf_eagle3`, which SGLang ignores.
 """
 
 from pathlib import Path
 
+from ..configuration_eagle3 import Eagle3Config
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
 from .fields import (
     carried_fields,
@@ -44,6 +45,16 @@ UNFAITHFUL_SETTINGS = {
 SGLANG_IGNORES = ("norm_before_residual", "norm_before_fc", "qk_norm")
 
 
+# SpecForge changed what `norm_output` means after 0.2.0 (there: apply the final norm before lm_head, default true,
+# the pre-norm state always fed back); configs read with the later meaning, stated where 0.2.0 reads them otherwise.
+_NORM_OUTPUT_READINGS = {
+    False: "norm_output=false read as later SpecForge reads it (plain EAGLE-3); SpecForge 0.2.0 reads it as no final "
+    "norm before lm_head.",
+    True: "norm_output=true read as later SpecForge reads it (EAGLE 3.1: the normalised state fed back); SpecForge "
+    "0.2.0 reads it as plain EAGLE-3.",
+}
+
+
 def detect(source: SourceFiles) -> bool:
     eagle_config = source.config.get("eagle_config") or {}
     return (
@@ -65,6 +76,8 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
         )
     fields = draft_fields("sglang", source.config, source.config, options) | option_fields(source.config)
     fields["target_layer_ids"] = target_layer_ids(source.config)
+    if "norm_output" in source.config:
+        fields["converted_from"]["notes"].append(_NORM_OUTPUT_READINGS[bool(source.config["norm_output"])])
     for name in ("norm_before_residual", "norm_before_fc"):
         if fields.get(name):
             fields["converted_from"]["notes"].append(f"{name}=true read as vLLM serves it; SGLang ignores it.")
@@ -73,25 +86,40 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
     return DraftCheckpoint.build(fields, source.tensors, target)
 
 
-def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
-    config = checkpoint.config
-    refuse_last_layer_tap(config, "the draft served by SGLang")
+def refusal(config: Eagle3Config) -> str | None:
+    """Why the draft `config` describes cannot be served in this format (SGLang, SpecForge), or `None` if it can."""
     settings = [f"{name}=True" for name in SGLANG_IGNORES if getattr(config, name)]
     if config.num_hidden_layers > 1:
         settings.append(f"num_hidden_layers={config.num_hidden_layers}")
     if config.layer_types is not None and "sliding_attention" in config.layer_types:
         settings.append(f"layer_types={config.layer_types}")
     if settings:
-        raise ConversionError(
+        return (
             f"The draft uses {', '.join(settings)}, which SGLang does not implement (or, for several layers, "
             "implements differently): it would serve another function. Export to speculators (vLLM) instead."
         )
+    if config.norm_output:
+        return (
+            "The draft feeds back the normalised state (norm_output=True, EAGLE 3.1). SpecForge 0.2.0 reads "
+            "norm_output: true as plain EAGLE-3 (final norm before lm_head, the pre-norm state fed back), later "
+            "SpecForge as this draft: no config says it to both. Export to speculators instead, whose norm_output "
+            "vLLM serves as trained."
+        )
     if not config.share_target_embedding:
-        raise ConversionError(
+        return (
             "SGLang always replaces a draft's token embedding with the target's, and this draft has one of its own "
             "(share_target_embedding=false), so it would not be served as trained. If that embedding is a copy of "
             "the target's, convert with --share-target-embedding."
         )
+    return None
+
+
+def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
+    config = checkpoint.config
+    refuse_last_layer_tap(config, "the draft served by SGLang")
+    reason = refusal(config)
+    if reason is not None:
+        raise ConversionError(reason)
     sglang_config = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -100,7 +128,8 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
         "draft_vocab_size": None if config.share_target_lm_head else config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "fc_norm": config.fc_norm,
-        "norm_output": config.norm_output,
+        # No norm_output key: SpecForge 0.2.0 reads its absence as "final norm before lm_head", later SpecForge as
+        # "the pre-norm state fed back"; together, plain EAGLE-3 in every version.
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": output_of_layer_ids(config.target_layer_ids),
             "use_aux_hidden_state": True,

@@ -48,6 +48,8 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
             "so what the draft computes is ambiguous. Add the key with the value the draft was trained with."
         )
     speculators_config = config.get("speculators_config") or {}
+    if "model_type" not in layer_config:
+        layer_config = {**layer_config, "model_type": _unnamed_layer_type(source.tensors)}
     fields = draft_fields("speculators", layer_config, config, options) | option_fields(config)
     fields.update(head_fields(fields, {**layer_config, **config}, source.tensors))
     fields["num_hidden_layers"] = layer_count(source.tensors, LAYER_PREFIX, layer_config.get("num_hidden_layers"))
@@ -57,7 +59,22 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
     if speculative_tokens is not None:
         fields["tree_depth"] = speculative_tokens
     fields.update(restored_fields(config))
-    return DraftCheckpoint.build(fields, layers_renamed(source.tensors, LAYER_PREFIX), target)
+    tensors = layers_renamed(source.tensors, LAYER_PREFIX)
+    if fields.get("share_target_embedding"):  # an hf-eagle3 export: the embedding it wrote is the target's
+        tensors.pop("embed_tokens.weight", None)
+    return DraftCheckpoint.build(fields, tensors, target)
+
+
+def _unnamed_layer_type(tensors: dict) -> str:
+    """The `model_type` of a `transformer_layer_config` that names none: speculators reads it as Qwen3 (q / k norms);
+    refused where the weights have no q / k norms, which speculators would then leave uninitialised."""
+    if f"{LAYER_PREFIX}0.self_attn.q_norm.weight" in tensors:
+        return "qwen3"
+    raise ConversionError(
+        "transformer_layer_config has no model_type: speculators reads it as a Qwen3 layer (per-head q / k norms), but "
+        "the weights have no q_norm / k_norm, so speculators would run norms it has no weights for. Add the layer's "
+        'model_type (e.g. "model_type": "llama") to transformer_layer_config.'
+    )
 
 
 def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
@@ -68,6 +85,28 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
             "The draft uses the target's lm_head (share_target_lm_head=True), which speculators drafts cannot say: "
             "vLLM would build an lm_head of its own and find no weights for it. Export to sglang instead."
         )
+    if config.target_name_or_path is None:
+        raise ConversionError(
+            "speculators (0.9.0) loads a draft together with its verifier's config (speculators_config.verifier), "
+            "and this draft records no target: pass the target's Hub id or folder, `hf-eagle3 convert ... --to "
+            "speculators --target-name-or-path TARGET`."
+        )
+    if config.target_hidden_size != config.hidden_size:
+        raise ConversionError(
+            f"speculators (0.9.0) builds fc with 3 x hidden_size = {3 * config.hidden_size} inputs, and this draft's "
+            f"target is {config.target_hidden_size} wide (fc reads {3 * config.target_hidden_size}): speculators "
+            "cannot load it. Export to sglang instead, which vLLM and SGLang serve with target_hidden_size."
+        )
+    tensors = layers_named(checkpoint.tensors, LAYER_PREFIX)
+    if config.share_target_embedding:
+        if checkpoint.target_embedding is None:
+            raise ConversionError(
+                "speculators (0.9.0) fills a missing embed_tokens from the target only where it finds NaN, which "
+                "transformers 5's loading never leaves, so it would run this draft (which shares the target's "
+                "embedding) with an uninitialised one. Give the target's embedding to write with the draft: "
+                "`hf-eagle3 convert ... --to speculators --target-embedding TARGET` (its folder or Hub id)."
+            )
+        tensors["embed_tokens.weight"] = checkpoint.target_embedding
     speculators_config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -93,7 +132,7 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
         "torch_dtype": dtype_name(checkpoint.dtype),
         **carried_fields(config),
     }
-    write_checkpoint_files(folder, speculators_config, layers_named(checkpoint.tensors, LAYER_PREFIX))
+    write_checkpoint_files(folder, speculators_config, tensors)
 
 
 def _default_proposal_method(speculators_config: dict) -> dict:

@@ -11,11 +11,13 @@ forwards on CPU, explicitly (`decoding.cpu_layout`).
 from transformers import AutoConfig, AutoModel
 
 from .configuration_eagle3 import Eagle3Config
+from .conversion.foreign import read_foreign
 from .decoding.compatibility import check_compatibility, check_transformers_version
 from .decoding.cpu_layout import optimize, standard_layout
 from .decoding.generate import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
 from .decoding.pipelines import install as install_pipeline_support
 from .modeling_eagle3 import Eagle3DraftModel
+from .publishing.hub import push_draft
 
 check_transformers_version()
 
@@ -24,6 +26,9 @@ AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
 # Saved drafts carry `auto_map` and this modeling code, so they also load where hf_eagle3 is not installed.
 Eagle3Config.register_for_auto_class()
 Eagle3DraftModel.register_for_auto_class("AutoModel")
+# Foreign checkpoint formats for `from_pretrained`, and model cards for `push_to_hub` (the remote-code copy has neither).
+Eagle3DraftModel.register_checkpoint_reader(read_foreign)
+Eagle3DraftModel.register_pusher(push_draft)
 install()
 install_pipeline_support()
 

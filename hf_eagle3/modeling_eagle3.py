@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -45,11 +45,9 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
-from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput, cached_file, logging
+from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput, cached_file
 
 from .configuration_eagle3 import Eagle3Config
-
-logger = logging.get_logger(__name__)
 
 
 def _is_sliding(config: Eagle3Config, layer_idx: int) -> bool:
@@ -241,22 +239,54 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self._keys_to_ignore_on_save = {f"{name}.weight" for name in shared}
             self._keys_to_ignore_on_load_missing = {rf"^{name}\.weight$" for name in shared}
 
+    # Set by `register_checkpoint_reader` / `register_pusher` (`import hf_eagle3` registers both); the remote-code copy
+    # of this file, loaded without hf_eagle3, keeps transformers' own behaviour.
+    _checkpoint_reader: Callable | None = None
+    _pusher: Callable | None = None
+
+    @classmethod
+    def register_checkpoint_reader(cls, reader: Callable) -> None:
+        """Let `from_pretrained` load checkpoints saved in other projects' formats, as `AutoConfig.register` lets
+        transformers load new model types.
+
+        `reader(source, from_format, hub_kwargs)` returns `(config, state_dict)` of the draft at `source` converted
+        in memory, or `None` when `source` is a checkpoint of this class (which the regular loader then reads);
+        `hub_kwargs` are the `from_pretrained` arguments that say where a Hub checkpoint's files are.
+        """
+        cls._checkpoint_reader = staticmethod(reader)
+
+    @classmethod
+    def register_pusher(cls, pusher: Callable) -> None:
+        """Let `push_to_hub` upload through `pusher(model, repo_id, **kwargs)` (hf_eagle3's adds a model card)."""
+        cls._pusher = staticmethod(pusher)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, refusing checkpoints that leave any draft weight uninitialised.
 
-        A folder or Hub repo saved in another project's format (official EAGLE-3, SpecForge / SGLang, AngelSlim, vLLM
-        speculators, NVIDIA ModelOpt) is detected, converted in memory as `hf-eagle3 convert` would convert it, and
-        loaded; `from_format="sglang"` (etc.) names the format where detection cannot settle it. Target layers such a
-        checkpoint does not record are taken from the target when `generate` first sees the draft.
+        With a checkpoint reader registered (`import hf_eagle3` registers one), a folder or Hub repo saved in another
+        project's format (official EAGLE-3, SpecForge / SGLang, AngelSlim, vLLM speculators, NVIDIA ModelOpt) is
+        converted in memory and loaded; `from_format="sglang"` (etc.) names the format where detection cannot settle
+        it.
         """
         output_loading_info = kwargs.pop("output_loading_info", False)
         from_format = kwargs.pop("from_format", None)
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        foreign = _foreign_checkpoint(source, from_format, kwargs)
+        hub_kwargs = {name: kwargs[name] for name in _HUB_KWARGS if name in kwargs}
+        if cls._checkpoint_reader is not None and source is not None:
+            foreign = cls._checkpoint_reader(source, from_format, hub_kwargs)
+        elif from_format is not None:
+            raise ValueError(
+                f"from_format={from_format!r} reads another project's checkpoint, which needs hf-eagle3 (no package "
+                "index serves it: `pip install ./hf-eagle3` in a clone of its repository), then "
+                "`from hf_eagle3 import Eagle3DraftModel` and load with it."
+            )
+        else:
+            foreign = None
         if foreign is not None:  # loaded from memory by the same code path as a saved draft
+            config, state_dict = foreign
             kwargs.pop("pretrained_model_name_or_path", None)
-            args, kwargs = (None, *args[1:]), {**kwargs, "config": foreign.config, "state_dict": foreign.tensors}
+            args, kwargs = (None, *args[1:]), {**kwargs, "config": config, "state_dict": state_dict}
         try:  # mismatched shapes are reported below, naming each tensor's shapes
             model, loading_info = super().from_pretrained(*args, output_loading_info=True,
                                                           **{**kwargs, "ignore_mismatched_sizes": True})
@@ -291,7 +321,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 f"{model.config.vocab_size}) or to one id twice: convert it with `hf-eagle3 convert`, which checks and "
                 "repairs the mapping's order."
             )
-        model.generation_config = _saved_generation_config(source, kwargs)
+        model.generation_config = _saved_generation_config(source, hub_kwargs)
         return (model, loading_info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -318,17 +348,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return True
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload the draft with a generated model card (target, usage, measured results): `hf_eagle3.publishing.hub.push_draft`."""
-        # hf_eagle3 is not part of the remote code saved with the draft: inside `try`, transformers' import check of
-        # remote code skips this import.
-        try:
-            from hf_eagle3.publishing.hub import push_draft
-        except ImportError as error:
-            raise ImportError(
-                "Pushing an EAGLE-3 draft with its model card needs hf-eagle3, which no package index serves: install "
-                "it from a clone of its repository (`pip install ./hf-eagle3`)."
-            ) from error
-        return push_draft(self, repo_id, **kwargs)
+        """The registered pusher's upload (`import hf_eagle3` registers one that writes a model card: target, usage,
+        measured results), else `PreTrainedModel.push_to_hub`."""
+        if self._pusher is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return self._pusher(self, repo_id, **kwargs)
 
     def _shared_module_names(self) -> list[str]:
         """The draft's modules that are the target's (`embed_tokens`, `lm_head`), as its config says."""
@@ -544,48 +568,10 @@ def _windowed(
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
 
-def _foreign_checkpoint(source, from_format: str | None, kwargs: dict):
-    """The draft at `source` converted in memory (a `DraftCheckpoint`) when it is in another project's format, else
-    `None` (also when `source` has no readable config: the regular loader names that problem)."""
-    if source is None or (from_format in (None, "hub") and not _is_foreign(source, kwargs)):
-        return None
-    # hf_eagle3 is not part of the remote code saved with the draft: inside `try`, transformers' import check of
-    # remote code skips this import.
-    try:
-        from hf_eagle3.conversion import TargetInfo, read_checkpoint
-    except ImportError as error:
-        raise ImportError(
-            f"{source} is a draft in another project's format; loading it needs hf-eagle3, which no "
-            "package index serves: install it from a clone of its repository (`pip install ./hf-eagle3`)."
-        ) from error
-    download = {name: kwargs[name] for name in _HUB_KWARGS if name in kwargs and name != "subfolder"}
-    checkpoint, format_name = read_checkpoint(source, from_format, TargetInfo(known_at_generate=True), None, download)
-    notes = (checkpoint.config.converted_from or {}).get("notes", [])
-    logger.warning(
-        f"{source} is a {format_name} checkpoint: converted in memory (`hf-eagle3 convert` writes the conversion "
-        "to disk)" + (": " + " ".join(notes) if notes else ".")
-    )
-    return checkpoint
-
-
-def _is_foreign(source, kwargs: dict) -> bool:
-    try:
-        config, _ = PreTrainedConfig.get_config_dict(source, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
-    except (OSError, ValueError):
-        return False
-    if not isinstance(config, dict):  # an unreadable config, as transformers reports one that is not JSON
-        raise OSError(
-            f"The config.json of {source!r} holds a JSON {type(config).__name__}, not an object of config fields: it "
-            "is damaged. Save or download the draft again."
-        )
-    return config.get("model_type") != Eagle3Config.model_type
-
-
-def _saved_generation_config(source, from_pretrained_kwargs: dict) -> GenerationConfig:
+def _saved_generation_config(source, hub_kwargs: dict) -> GenerationConfig:
     """The draft's `generation_config.json` where its folder or Hub repo has one, else an empty config."""
-    download = {name: from_pretrained_kwargs[name] for name in _HUB_KWARGS if name in from_pretrained_kwargs}
     path = cached_file(source, GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
-                       _raise_exceptions_for_connection_errors=False, **download)
+                       _raise_exceptions_for_connection_errors=False, **hub_kwargs)
     return GenerationConfig.from_pretrained(Path(path).parent) if path else GenerationConfig()
 
 

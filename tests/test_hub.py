@@ -119,6 +119,34 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
     ]
 
 
+def test_the_remote_code_class_without_hf_eagle3_reads_no_foreign_format_and_pushes_as_transformers_does(
+    tmp_path, saved_draft, python_without_hf_eagle3
+):
+    """The foreign-format reader and the card-writing pusher are registered by `import hf_eagle3`, not built in."""
+    output = run_python(
+        f"""
+        from transformers import AutoModel
+
+        draft = AutoModel.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)
+        cls = type(draft)
+        print(cls._checkpoint_reader, cls._pusher)
+        try:
+            cls.from_pretrained({str(saved_draft)!r}, from_format="sglang")
+        except ValueError as error:
+            print(error)
+        """,
+        cwd=tmp_path,
+        python=python_without_hf_eagle3,
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    assert output.splitlines() == [
+        "None None",
+        "from_format='sglang' reads another project's checkpoint, which needs hf-eagle3 (no package index serves it: "
+        "`pip install ./hf-eagle3` in a clone of its repository), then `from hf_eagle3 import Eagle3DraftModel` and "
+        "load with it.",
+    ]
+
+
 def test_generate_with_a_draft_where_hf_eagle3_is_not_installed_says_to_install_it(
     tmp_path, saved_draft, python_without_hf_eagle3
 ):
@@ -366,8 +394,15 @@ def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft)
 def test_the_card_gives_serving_settings_from_the_drafts_tree_defaults(saved_draft):
     card = _card(saved_draft)  # tiny_draft: depth 4, top-k 3, 12 drafted tokens
     assert "--speculative-num-steps 4 --speculative-eagle-topk 3 --speculative-num-draft-tokens 13" in card.text
-    assert '"method": "eagle3", "model": "draft-vllm", "num_speculative_tokens": 4' in card.text
+    assert '"method": "eagle3", "model": "draft-sglang", "num_speculative_tokens": 4' in card.text  # vLLM too
     assert "hf-eagle3 convert org/eagle3-draft draft-sglang --to sglang" in card.text
+
+
+def test_the_card_of_a_draft_sglang_cannot_serve_gives_the_speculators_export_for_vllm(tmp_path):
+    tiny_draft(norm_before_residual=True, target_name_or_path="org/Llama-Tiny").save_pretrained(tmp_path)
+    card = _card(tmp_path)
+    assert "hf-eagle3 convert org/eagle3-draft draft-vllm --to speculators --target-embedding org/Llama-Tiny" in card.text
+    assert "sglang.launch_server" not in card.text
 
 
 def test_shipped_and_generated_cards_share_library_name_and_tags():

@@ -3,13 +3,14 @@
 import pytest
 import torch
 from conftest import VOCAB, fit_draft, tiny_draft, tiny_target
+from hf_eagle3.conversion import convert
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, pipeline
 
 from hf_eagle3 import Eagle3DraftModel
 
 PROMPT = "w5 w17 w9 w33"
-GREEDY = dict(max_new_tokens=24, do_sample=False)
+GREEDY = {"max_new_tokens": 24, "do_sample": False}
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +66,13 @@ def test_the_pipeline_refuses_a_draft_for_another_target_or_an_assistant_tokeniz
     with pytest.raises(ValueError, match="shares the target's tokenizer: drop assistant_tokenizer"):
         pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=tiny_draft(),
                  assistant_tokenizer=tokenizer)
+
+
+def test_a_draft_in_sglang_format_given_to_the_pipeline_as_a_path_equals_plain_greedy(target, draft, tokenizer, tmp_path):
+    draft.save_pretrained(tmp_path / "hub")
+    convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
+    expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(PROMPT, **GREEDY)
+    eagle = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path / "sglang"))
+    assert isinstance(eagle.assistant_model, Eagle3DraftModel)
+    assert eagle(PROMPT, **GREEDY) == expected
+    assert eagle.assistant_model.generation_stats.mean_acceptance_length > 1

@@ -4,19 +4,19 @@
 `transformers.pipelines.base.load_assistant_model`. Given a name, that function loads the model by the class names in
 its config (transformers knows no EAGLE-3 class) and a tokenizer from the same folder (a draft has none: it shares
 the target's); then it compares the special-token ids of both configs to decide whether the assistant needs a
-tokenizer of its own. Importing hf_eagle3 wraps it: an EAGLE-3 draft, given as a model or as a path / Hub id, is
-checked against the target and given the target's special-token ids, and a draft given by name is loaded in the
-target's dtype on its device, as the pipeline loads any assistant given by name. Other assistants are left to
-transformers.
+tokenizer of its own. Importing hf_eagle3 wraps it: an EAGLE-3 draft, given as a model or as a path / Hub id (in
+any format `Eagle3DraftModel.from_pretrained` reads), is checked against the target and given the target's
+special-token ids, and a draft given by name is loaded in the target's dtype on its device, as the pipeline loads any
+assistant given by name. Other assistants are left to transformers.
 """
 
 import functools
 import os
 
-from transformers import AutoConfig
+from transformers import PreTrainedConfig
 from transformers.pipelines import base
 
-from ..configuration_eagle3 import Eagle3Config
+from ..conversion.foreign import is_eagle3_draft
 from ..modeling_eagle3 import Eagle3DraftModel
 from .compatibility import check_compatibility, record_target_special_tokens
 
@@ -25,9 +25,9 @@ def _wrap_load_assistant_model(original):
     @functools.wraps(original)
     def load_assistant_model(model, assistant_model, assistant_tokenizer):
         if isinstance(assistant_model, (str, os.PathLike)) and model.can_generate():
-            config = AutoConfig.from_pretrained(assistant_model)
-            if isinstance(config, Eagle3Config):
-                assistant_model = Eagle3DraftModel.from_pretrained(assistant_model, config=config, dtype=model.dtype)
+            config, _ = PreTrainedConfig.get_config_dict(assistant_model)
+            if is_eagle3_draft(config):  # in any format Eagle3DraftModel.from_pretrained reads
+                assistant_model = Eagle3DraftModel.from_pretrained(assistant_model, dtype=model.dtype)
                 assistant_model = assistant_model.to(model.device)
         if isinstance(assistant_model, Eagle3DraftModel):
             if assistant_tokenizer is not None:

@@ -29,7 +29,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers.utils import logging
 
-from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint
+from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint, sglang
 from ..conversion.fields import dtype_name
 from ..conversion.files import WEIGHT_FILES, read_json
 from ..modeling_eagle3 import Eagle3DraftModel
@@ -100,6 +100,9 @@ def draft_model_card(
         results=results,
         results_table=_markdown_table(results.rows) if results else None,
         profile_table=_profile_table(config.acceptance_profile) if config.acceptance_profile else None,
+        # vLLM and SGLang both serve the SpecForge / SGLang layout; the drafts it cannot express, vLLM serves as
+        # speculators.
+        serving_format="sglang" if sglang.refusal(config) is None else "speculators",
         training=training,
     )
 
