@@ -1,0 +1,251 @@
+"""The EAGLE-3 decoding loop: prefill, then cycles of propose, verify, accept and compact until every row stops.
+
+One cycle: each unfinished row's proposer grows a tree below its last generated token (the root); the target
+verifies every row's root and tree in one forward, each row with its own tree attention mask over its visible cache
+entries and its own positions (`target_attention`), returning the hidden states the draft fuses; each row accepts its
+own path and a bonus token (`verify`) and feeds its accepted positions' target features to its proposer. The target's
+cache keeps, for every row, its accepted entries, contiguous after the previous prefix; a row that accepted fewer than
+the longest leaves unused entries, which its visibility mask hides from then on (the cache grows by the longest
+accepted path per cycle; plain decoding over a left-padded batch hides its padding the same way). Finished rows leave
+the batch; the output pads them exactly as plain batched decoding does.
+
+Rows stop as plain batched decoding stops them: with an EOS criterion a row that stops is padded with the pad token
+until every row has stopped; without one (stop strings or `max_length` only), plain decoding goes on computing the rows
+that stopped until the last row stops, so a stopped row decodes on here too, up to the length of the longest row.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import StaticCache
+
+from ..modeling_eagle3 import Eagle3DraftModel
+from .batch_state import BatchState, Emission, Row, Stopping, decoding_rows, keep_cache_entries
+from .drafter import DraftProposal, TreeSettings
+from .proposer import Eagle3Proposer, Verified
+from .settings import DecodingSettings
+from .stats import Eagle3GenerateOutput, Eagle3GenerationStats, Stopwatch
+from .target_attention import TargetAttention
+from .verify import Acceptance, accept_argmax, accept_walk, greedy_pick, processed_scores, sampling_pick
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the loop reads, unchanged, for the whole call."""
+
+    model: object
+    forward: object  # the target's forward for verification: compiled where `generate` compiles its own
+    draft: Eagle3DraftModel
+    settings: DecodingSettings
+    attention: TargetAttention
+    layer_ids: list[int]
+    logits_processor: object
+    stopping: Stopping
+    temperature: float | None  # sampling temperature; `None` for greedy decoding
+    record_cycles: bool
+    static_length: int | None  # a static cache's length, which every verification mask spans
+    batch_size: int
+    streamer: object
+    stats: Eagle3GenerationStats
+    stopwatch: Stopwatch
+
+
+def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids: torch.Tensor, logits_processor,
+           stopping_criteria, generation_config, streamer, record_greedy_cycles: bool, model_kwargs: dict):
+    """EAGLE-3 decoding of `input_ids` (`[B, L]`) with the call's prepared `model_kwargs` (a checked target cache)."""
+    run = _start(model, draft, settings, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                 record_greedy_cycles, model_kwargs)
+    start_time = time.perf_counter()
+    rows, state, emissions = prefill(run, input_ids, model_kwargs)
+    while True:
+        for row, emission in zip(state.rows, emissions):
+            emitted = row.emit(emission, run.stopping)
+            if streamer is not None:
+                streamer.put(emitted.cpu())
+        decoding = decoding_rows(rows, state.rows, run.stopping)
+        if not decoding:
+            break
+        state = state.select(decoding)
+        proposals = propose(run, state)
+        logits, features = verify(run, state, proposals)
+        acceptances = accept(run, state, proposals, logits, features)
+        emissions = [
+            Emission(torch.cat([proposal.tree.tokens[accepted.path[1:]], accepted.bonus]), accepted.scores,
+                     row_logits[accepted.path].float())
+            for proposal, accepted, row_logits in zip(proposals, acceptances, logits)
+        ]
+        state = compact(state, acceptances)
+    return _finish(run, rows, state.cache, generation_config, start_time)
+
+
+def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids, logits_processor, stopping_criteria,
+           generation_config, streamer, record_greedy_cycles: bool, model_kwargs: dict) -> Run:
+    batch_size = input_ids.shape[0]
+    attention = TargetAttention(model, settings.exact_attention, model_kwargs.get("attention_mask"), batch_size)
+    cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings.tree,
+                                              settings.exact_attention)
+    model_kwargs["cache"] = cache
+    # As `_sample` does: the forwards after the prefill compiled where transformers compiles them (a static cache on
+    # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
+    compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
+    draft.attach_target(model)
+    do_sample = generation_config.do_sample
+    return_dict = generation_config.return_dict_in_generate
+    stopping = Stopping(
+        criteria=stopping_criteria,
+        max_length=generation_config.max_length,
+        pad_stopped_rows=any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria),  # as `_sample`
+        keep_scores=bool(return_dict and generation_config.output_scores),
+        keep_logits=bool(return_dict and generation_config.output_logits),
+    )
+    stats = Eagle3GenerationStats(settings.tree, shape_choice=settings.shape_choice)
+    draft.generation_stats = stats
+    return Run(
+        model, forward, draft, settings, attention, draft.config.target_layer_ids, logits_processor, stopping,
+        temperature=(generation_config.temperature or 1.0) if do_sample else None,
+        record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, batch_size=batch_size,
+        streamer=streamer, stats=stats, stopwatch=Stopwatch(stats, input_ids.device),
+    )
+
+
+def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list[Row], BatchState, list[Emission]]:
+    """The prompts through the target, each row's visible features through its proposer; each row's first token."""
+    with run.stopwatch.time("prefill_seconds"):
+        model = run.model
+        model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+        outputs = model(**model_inputs, output_hidden_states=run.layer_ids)
+        attention_mask = model_kwargs.get("attention_mask")
+        visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids).bool()
+        key_positions = model_inputs.get("position_ids")  # [B, P]: positions of the cache entries
+        if key_positions is None:
+            key_positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        key_positions = key_positions.expand(run.batch_size, -1)
+        next_logits = outputs.logits[:, -1].float()  # [B, V]
+        next_scores = run.logits_processor(input_ids, next_logits)
+        next_tokens = (torch.multinomial(next_scores.softmax(-1), 1)[:, 0] if run.temperature is not None
+                       else next_scores.argmax(-1))
+        features = torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)  # [B, P, 3 k_t]
+        followers = torch.cat([input_ids[:, 1:], next_tokens[:, None]], dim=-1)
+        rows = []
+        for index in range(run.batch_size):
+            row_visible = visible[index]
+            proposer = Eagle3Proposer(run.draft, run.settings.tree, run.temperature, run.settings.ngram_candidates,
+                                      context_start=int(row_visible.int().argmax()))
+            proposer.accepted(Verified(key_positions[index, row_visible], features[index, row_visible],
+                                       followers[index, row_visible]))
+            rows.append(Row(index, input_ids[index], proposer))
+    run.stats.rows = [row.stats for row in rows]
+    state = BatchState(rows, model_kwargs["cache"], visible, key_positions, key_positions[:, -1] + 1)
+    emissions = [Emission(next_tokens[index, None], next_scores[index, None], next_logits[index, None])
+                 for index in range(run.batch_size)]
+    return rows, state, emissions
+
+
+def propose(run: Run, state: BatchState) -> list[DraftProposal]:
+    """Each row's tree below its root."""
+    with run.stopwatch.time("draft_seconds"):
+        return [row.proposer.propose(row.tokens, int(position)) for row, position in zip(state.rows,
+                                                                                         state.root_positions)]
+
+
+def verify(run: Run, state: BatchState, proposals: list[DraftProposal]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over every row's tree: its logits `[b, n, V]` and features `[b, n, 3 k_t]` at the nodes."""
+    trees = [proposal.tree for proposal in proposals]
+    prefix_length = state.visible.shape[1]
+    node_positions = state.root_positions[:, None] + torch.stack([tree.depths for tree in trees])  # [b, n]
+    key_positions = torch.cat([state.key_positions, node_positions], dim=1)
+    with run.stopwatch.time("verify_seconds"), run.attention.verifying(run.model, trees, prefix_length):
+        outputs = run.forward(
+            input_ids=torch.stack([tree.tokens for tree in trees]),
+            position_ids=node_positions,
+            attention_mask=run.attention.verification_mask(trees, state.visible, key_positions, run.model.dtype,
+                                                           run.static_length),
+            cache=state.cache,
+            output_hidden_states=run.layer_ids,
+            use_cache=True,
+        )
+    run.stats.num_cycles += 1
+    return outputs.logits, torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)
+
+
+def accept(run: Run, state: BatchState, proposals: list[DraftProposal], logits: torch.Tensor,
+           features: torch.Tensor) -> list[Acceptance]:
+    """Each row's accepted path and bonus token; the accepted positions' features go to the row's proposer."""
+    acceptances = []
+    for index, (row, proposal) in enumerate(zip(state.rows, proposals)):
+        accepted = _accept_tree(run, row, proposal, logits[index])  # logits in the model dtype: argmax is exact
+        row.record(proposal, accepted.path, run.record_cycles)
+        tokens = torch.cat([proposal.tree.tokens[accepted.path[1:]], accepted.bonus])
+        positions = state.root_positions[index] + torch.arange(accepted.path.numel(), device=tokens.device)
+        with run.stopwatch.time("draft_seconds"):
+            row.proposer.accepted(Verified(positions, features[index, accepted.path], tokens), proposal, accepted.path)
+        acceptances.append(accepted)
+    return acceptances
+
+
+def _accept_tree(run: Run, row: Row, proposal: DraftProposal, logits: torch.Tensor) -> Acceptance:
+    tree = proposal.tree
+    if run.temperature is None and len(run.logits_processor) == 0:
+        return accept_argmax(tree, logits)
+    scores_after = processed_scores(run.logits_processor, row.tokens[None], tree, logits, row.index, run.batch_size)
+    if run.temperature is None:
+        return accept_walk(tree, scores_after, greedy_pick(tree))
+    pick = sampling_pick(tree, proposal.draft_probs, proposal.sampled, run.draft.draft_to_target)
+    return accept_walk(tree, scores_after, pick)
+
+
+def compact(state: BatchState, acceptances: list[Acceptance]) -> BatchState:
+    """Each row keeps its accepted cache entries; rows that accepted fewer leave entries their mask hides from now on."""
+    paths = [accepted.path for accepted in acceptances]
+    lengths = torch.tensor([path.numel() for path in paths], device=state.visible.device)
+    longest = int(lengths.max())
+    keep = torch.stack([torch.cat([path, path.new_zeros(longest - path.numel())]) for path in paths])
+    keep_cache_entries(state.cache, state.visible.shape[1], keep)
+    return state.advance(lengths)
+
+
+def _finish(run: Run, rows: list[Row], cache, generation_config, start_time: float):
+    if run.batch_size == 1:  # a cycle cut short by a stop leaves entries past the last kept token: plain has none
+        cache.crop(min(0, rows[0].tokens.numel() - 1 - int(cache.get_seq_length())))
+    if run.streamer is not None:
+        run.streamer.end()
+    final_length = max(row.stop_length for row in rows)
+    pad_token = generation_config._pad_token_tensor  # what `_sample` pads stopped rows with
+    sequences = torch.stack([_right_padded(row.tokens[:final_length], final_length, pad_token) for row in rows])
+    run.stats.total_seconds = time.perf_counter() - start_time
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return Eagle3GenerateOutput(
+        sequences=sequences,
+        scores=tuple(rows[0].scores) if run.stopping.keep_scores else None,
+        logits=tuple(rows[0].logits) if run.stopping.keep_logits else None,
+        cache=cache if run.batch_size == 1 else None,
+        eagle3_stats=run.stats,
+    )
+
+
+def _right_padded(tokens: torch.Tensor, length: int, pad_token: torch.Tensor | None) -> torch.Tensor:
+    if tokens.numel() == length:
+        return tokens
+    return torch.cat([tokens, pad_token.to(tokens).expand(length - tokens.numel())])
+
+
+def sized_static_cache(model, cache, generation_config, tree: TreeSettings, exact: bool):
+    """`(cache, key_length)`: a static cache with room for the call's last tree, and its length (what every
+    verification mask spans); a dynamic cache as it is, with `None`. A static cache too short is replaced while empty
+    and refused once filled."""
+    if type(cache) is not StaticCache:
+        return cache, None
+    if exact:
+        raise ValueError("exact_attention=True verifies node by node over a dynamic cache: drop "
+                         "cache_implementation='static', or drop exact_attention.")
+    needed = generation_config.max_length + tree.total_tokens  # a whole tree after at most max_length - 1 tokens
+    if cache.layers[0].max_cache_len < needed:
+        if cache.get_seq_length():
+            raise ValueError(f"EAGLE-3 decoding into this static cache needs room for {needed} tokens (max_length "
+                             f"plus the tree's {tree.total_tokens}): pass a StaticCache of max_cache_len >= "
+                             f"{needed}.")
+        cache = StaticCache(config=model.config, max_cache_len=needed)
+    return cache, cache.layers[0].max_cache_len
