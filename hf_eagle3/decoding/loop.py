@@ -156,7 +156,8 @@ def verify(run: Run, state: BatchState, proposals: list[DraftProposal]) -> tuple
     prefix_length = state.visible.shape[1]
     node_positions = state.root_positions[:, None] + torch.stack([tree.depths for tree in trees])  # [b, n]
     key_positions = torch.cat([state.key_positions, node_positions], dim=1)
-    with run.stopwatch.time("verify_seconds"), run.attention.verifying(run.model, trees, prefix_length):
+    attends = run.attention.verification_kwargs(trees, prefix_length)
+    with run.stopwatch.time("verify_seconds"):
         outputs = run.forward(
             input_ids=torch.stack([tree.tokens for tree in trees]),
             position_ids=node_positions,
@@ -165,7 +166,9 @@ def verify(run: Run, state: BatchState, proposals: list[DraftProposal]) -> tuple
             cache=state.cache,
             output_hidden_states=run.layer_ids,
             use_cache=True,
+            **attends,
         )
+    run.attention.check_verified(run.model, attends)
     run.stats.num_cycles += 1
     return outputs.logits, torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)
 

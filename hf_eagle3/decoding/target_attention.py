@@ -1,11 +1,9 @@
 """How the target attends while it verifies draft trees: each row's tree mask over its visible cache entries, with
 the target's sliding window where it has one, or node by node over exactly plain decoding's keys (`exact_attention`)."""
 
-import contextlib
-
 import torch
 
-from .exact_attention import exact_tree_attention
+from .exact_attention import KEYWORD, TreeKeyLayout, check_applied
 from .tree import DraftTree, tree_attention_mask
 
 
@@ -13,7 +11,7 @@ class TargetAttention:
     """How the target attends during verification: one forward with the masks its layers need (full attention, a
     sliding window, or both kinds of layer (`config.layer_types`), in which case the model takes one mask per kind),
     or, with `exact=True`, each node over exactly the keys plain decoding would give it
-    (`tree_attention.exact_tree_attention`: sdpa, full attention, one unpadded sequence only)."""
+    (`exact_attention`: sdpa, full attention, one unpadded sequence only)."""
 
     def __init__(self, model, exact: bool, prompt_mask: torch.Tensor | None, batch_size: int):
         text_config = model.config.get_text_config()
@@ -48,9 +46,15 @@ class TargetAttention:
                 "mask it cannot reproduce node by node): strip the padding, or drop exact_attention."
             )
 
-    def verifying(self, model, trees: list[DraftTree], prefix_length: int):
-        """Context for the verification forward of `trees` after `prefix_length` cache entries."""
-        return exact_tree_attention(model, trees[0], prefix_length) if self.exact else contextlib.nullcontext()
+    def verification_kwargs(self, trees: list[DraftTree], prefix_length: int) -> dict:
+        """The keyword arguments of the verification forward of `trees` after `prefix_length` cache entries that say
+        how it attends, beyond its masks: with `exact`, each node's keys (`exact_attention.TreeKeyLayout`)."""
+        return {KEYWORD: TreeKeyLayout.of(trees[0], prefix_length)} if self.exact else {}
+
+    def check_verified(self, model, verification_kwargs: dict) -> None:
+        """Raise if the forward did not attend as `verification_kwargs` asked."""
+        if KEYWORD in verification_kwargs:
+            check_applied(model, verification_kwargs[KEYWORD])
 
     def verification_mask(self, trees: list[DraftTree], prefix_visible: torch.Tensor, key_positions: torch.Tensor,
                           dtype: torch.dtype, key_length: int | None = None):
