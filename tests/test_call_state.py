@@ -1,7 +1,9 @@
 """A `generate` call changes no state beyond its own: the target's config is not swapped during a forward, the draft's
 config is not rewritten, and each thread's statistics are its own and released with the thread."""
 
+import gc
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -54,3 +56,20 @@ def test_threads_sharing_a_target_decode_with_exact_attention_and_plainly_at_onc
     assert all(torch.equal(out, expected_exact) for out in exact_outputs) and len(exact_outputs) == 6
     assert all(torch.equal(out, expected_plain) for out in plain_outputs)
     assert llama_target.config._attn_implementation == "sdpa"
+
+
+def test_threads_sharing_a_draft_do_not_leak_stats(llama_target, fitted_draft):
+    main_stats = fitted_draft.generation_stats
+    released, mismatched = [], []
+
+    def decode():
+        out = llama_target.generate(PROMPT, assistant_model=fitted_draft, return_dict_in_generate=True, **GREEDY)
+        if fitted_draft.generation_stats is not out.eagle3_stats:
+            mismatched.append(out)
+        released.append(weakref.ref(out.eagle3_stats))
+
+    _in_threads(*[decode] * 4)
+    gc.collect()
+    assert not mismatched and len(released) == 4
+    assert all(ref() is None for ref in released)  # nothing holds a finished thread's statistics
+    assert fitted_draft.generation_stats is main_stats  # this thread's own are untouched
