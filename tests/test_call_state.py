@@ -1,6 +1,7 @@
 """A `generate` call changes no state beyond its own: the target's config is not swapped during a forward, the draft's
 config is not rewritten, and each thread's statistics are its own and released with the thread."""
 
+import copy
 import gc
 import threading
 import weakref
@@ -73,3 +74,12 @@ def test_threads_sharing_a_draft_do_not_leak_stats(llama_target, fitted_draft):
     assert not mismatched and len(released) == 4
     assert all(ref() is None for ref in released)  # nothing holds a finished thread's statistics
     assert fitted_draft.generation_stats is main_stats  # this thread's own are untouched
+
+
+def test_generate_leaves_the_drafts_config_untouched(llama_target, fitted_draft):
+    draft = copy.deepcopy(fitted_draft)
+    draft.config.target_layer_ids = None  # as an official EAGLE-3 checkpoint loads: taps from the target, per call
+    before = draft.config.to_dict()
+    out = llama_target.generate(PROMPT, assistant_model=draft, **GREEDY)
+    assert torch.equal(out, llama_target.generate(PROMPT, **GREEDY)) and draft.generation_stats.num_cycles > 0
+    assert draft.config.to_dict() == before  # neither the taps nor the target's special tokens were written

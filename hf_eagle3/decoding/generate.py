@@ -31,7 +31,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 from transformers.utils import logging
 
 from ..modeling_eagle3 import Eagle3DraftModel
-from .compatibility import adopt_target_layers, check_compatibility, record_target_special_tokens
+from .compatibility import check_compatibility, target_layer_ids
 from .loop import decode
 from .settings import ASSISTED_ONLY_KWARGS, SETTING_KWARGS, resolve_settings
 from .stats import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats
@@ -155,10 +155,9 @@ def eagle3_generate(
     for unused in ("inputs_tensor", "tokenizer", "assistant_tokenizer"):  # used by generate's own criteria only
         model_kwargs.pop(unused, None)
     _check_generation_mode(generation_config)
-    adopt_target_layers(draft.config, model)
-    check_compatibility(draft.config, model)
+    layer_ids = target_layer_ids(draft.config, model)  # the draft's config is never rewritten by a call
+    check_compatibility(draft.config, model, layer_ids)
     _check_device(draft, model)
-    record_target_special_tokens(draft.config, model)
     call = {"tree_depth": tree_depth, "tree_top_k": tree_top_k, "tree_total_tokens": tree_total_tokens,
             "tree_shape": tree_shape, "exact_attention": exact_attention, "ngram_candidates": ngram_candidates}
     settings = resolve_settings(model, draft, generation_config, call, input_ids.shape[0])
@@ -180,8 +179,8 @@ def eagle3_generate(
         # by sequence position, so keep them all (the verification masks apply the window).
         model_kwargs["cache"] = DynamicCache()
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
-    return decode(model, draft, settings, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                  record_greedy_cycles, model_kwargs)
+    return decode(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
+                  streamer, record_greedy_cycles, model_kwargs)
 
 
 def _with_stop_string_criteria(model, arguments: dict) -> dict:

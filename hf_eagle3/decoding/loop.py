@@ -51,11 +51,13 @@ class Run:
     stopwatch: Stopwatch
 
 
-def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids: torch.Tensor, logits_processor,
-           stopping_criteria, generation_config, streamer, record_greedy_cycles: bool, model_kwargs: dict):
-    """EAGLE-3 decoding of `input_ids` (`[B, L]`) with the call's prepared `model_kwargs` (a checked target cache)."""
-    run = _start(model, draft, settings, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                 record_greedy_cycles, model_kwargs)
+def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids: list[int], input_ids: torch.Tensor,
+           logits_processor, stopping_criteria, generation_config, streamer, record_greedy_cycles: bool,
+           model_kwargs: dict):
+    """EAGLE-3 decoding of `input_ids` (`[B, L]`) with the call's prepared `model_kwargs` (a checked target cache);
+    the draft reads the target's `hidden_states[i]` for `i` in `layer_ids`."""
+    run = _start(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
+                 streamer, record_greedy_cycles, model_kwargs)
     start_time = time.perf_counter()
     rows, state, emissions = prefill(run, input_ids, model_kwargs)
     while True:
@@ -79,8 +81,8 @@ def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids
     return _finish(run, rows, state.cache, generation_config, start_time)
 
 
-def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids, logits_processor, stopping_criteria,
-           generation_config, streamer, record_greedy_cycles: bool, model_kwargs: dict) -> Run:
+def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids: list[int], input_ids, logits_processor,
+           stopping_criteria, generation_config, streamer, record_greedy_cycles: bool, model_kwargs: dict) -> Run:
     batch_size = input_ids.shape[0]
     attention = TargetAttention(model, settings.exact_attention, model_kwargs.get("attention_mask"), batch_size)
     cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings.tree,
@@ -103,7 +105,7 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids
     stats = Eagle3GenerationStats(settings.tree, shape_choice=settings.shape_choice)
     draft.generation_stats = stats
     return Run(
-        model, forward, draft, settings, attention, draft.config.target_layer_ids, logits_processor, stopping,
+        model, forward, draft, settings, attention, layer_ids, logits_processor, stopping,
         temperature=(generation_config.temperature or 1.0) if do_sample else None,
         record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, batch_size=batch_size,
         streamer=streamer, stats=stats, stopwatch=Stopwatch(stats, input_ids.device),
