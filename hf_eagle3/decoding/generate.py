@@ -179,6 +179,7 @@ def eagle3_generate(
         # by sequence position, so keep them all (the verification masks apply the window).
         model_kwargs["cache"] = DynamicCache()
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
+    _check_cached_prefix(draft, input_ids, generation_config, model_kwargs)
     return decode(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
                   streamer, record_greedy_cycles, model_kwargs)
 
@@ -198,6 +199,28 @@ def _with_stop_string_criteria(model, arguments: dict) -> dict:
     criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
     criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     return arguments | {"stopping_criteria": criteria, "stop_strings": None}
+
+
+def _check_cached_prefix(draft: Eagle3DraftModel, input_ids: torch.Tensor, generation_config, model_kwargs) -> None:
+    """A cache that holds a prefix is continued as plain decoding continues it: `input_ids` is the whole sequence,
+    the cache holds its first tokens, and the call feeds the rest."""
+    cached, length = int(model_kwargs["cache"].get_seq_length()), input_ids.shape[1]
+    if not cached:
+        return
+    attention_mask = model_kwargs.get("attention_mask")
+    mask_length = attention_mask.shape[1] if attention_mask is not None else getattr(generation_config,
+                                                                                     "_mask_length", length)
+    if mask_length != length or cached >= length:
+        raise ValueError(
+            f"The cache holds {cached} tokens and input_ids {length} (attention_mask {mask_length}): EAGLE-3 decoding "
+            "continues a cache from the whole sequence. Pass input_ids holding the cached tokens followed by at least "
+            "one new token (the sequences a previous generate returned, then the next turn), with a mask as long."
+        )
+    if draft.config.sliding_window is not None:
+        raise ValueError(
+            f"This draft's sliding-window layers read a sequence from its first token, and the cache holds its first "
+            f"{cached}: generate without the cache, or with a draft without sliding-window layers."
+        )
 
 
 def _check_device(draft: Eagle3DraftModel, model) -> None:

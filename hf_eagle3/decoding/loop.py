@@ -113,30 +113,35 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
 
 
 def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list[Row], BatchState, list[Emission]]:
-    """The prompts through the target, each row's visible features through its proposer; each row's first token."""
+    """The prompts through the target (what follows the cache's prefix, as plain decoding feeds them), each row's fed
+    visible positions' features through its proposer; each row's first token.
+
+    A cache that already holds a prefix has no features for it: the draft starts at the first fed token, and the
+    prefix reaches it through the target's features of the fed tokens (the target attended to it)."""
     with run.stopwatch.time("prefill_seconds"):
-        model = run.model
-        model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+        model, length = run.model, input_ids.shape[1]
+        cached = int(model_kwargs["cache"].get_seq_length())
+        model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=length - cached,
+                                                           is_first_iteration=True, **model_kwargs)
         outputs = model(**model_inputs, output_hidden_states=run.layer_ids)
         attention_mask = model_kwargs.get("attention_mask")
         visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids).bool()
-        key_positions = model_inputs.get("position_ids")  # [B, P]: positions of the cache entries
+        key_positions = model_kwargs.get("position_ids")  # [B, L]: positions of the cache entries
         if key_positions is None:
-            key_positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            key_positions = torch.arange(length, device=input_ids.device)[None]
         key_positions = key_positions.expand(run.batch_size, -1)
         next_logits = outputs.logits[:, -1].float()  # [B, V]
         next_scores = run.logits_processor(input_ids, next_logits)
         next_tokens = (torch.multinomial(next_scores.softmax(-1), 1)[:, 0] if run.temperature is not None
                        else next_scores.argmax(-1))
-        features = torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)  # [B, P, 3 k_t]
-        followers = torch.cat([input_ids[:, 1:], next_tokens[:, None]], dim=-1)
+        features = torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)  # [B, L - cached, 3 k_t]
+        followers = torch.cat([input_ids[:, cached + 1 :], next_tokens[:, None]], dim=-1)
         rows = []
         for index in range(run.batch_size):
-            row_visible = visible[index]
+            fed = visible[index, cached:]
             proposer = Eagle3Proposer(run.draft, run.settings.tree, run.temperature, run.settings.ngram_candidates,
-                                      context_start=int(row_visible.int().argmax()))
-            proposer.accepted(Verified(key_positions[index, row_visible], features[index, row_visible],
-                                       followers[index, row_visible]))
+                                      context_start=int(visible[index].int().argmax()))
+            proposer.accepted(Verified(key_positions[index, cached:][fed], features[index, fed], followers[index, fed]))
             rows.append(Row(index, input_ids[index], proposer))
     run.stats.rows = [row.stats for row in rows]
     state = BatchState(rows, model_kwargs["cache"], visible, key_positions, key_positions[:, -1] + 1)
