@@ -69,20 +69,8 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel, lay
         problems.append(
             f"draft vocab_size={draft_config.vocab_size} but the target's vocab_size is {target_config.vocab_size}"
         )
-    num_layers = target_config.num_hidden_layers
-    layer_ids = draft_config.target_layer_ids if layer_ids is None else layer_ids
-    if layer_ids is None:
-        problems.append("the draft config has no `target_layer_ids` (set it, or `target_num_hidden_layers`)")
-    elif not all(0 <= i <= num_layers for i in layer_ids):
-        problems.append(
-            f"draft target_layer_ids={layer_ids} are outside the target's hidden_states indices 0..{num_layers}"
-        )
-    elif draft_config.converted_from is not None and num_layers in layer_ids:
-        problems.append(
-            f"the draft, converted from {draft_config.converted_from['format']}, reads the output of the target's "
-            f"last layer, which its engines take before the target's final norm, but transformers' "
-            f"hidden_states[{num_layers}] is taken after it"
-        )
+    problems += _layer_problems(draft_config, draft_config.target_layer_ids if layer_ids is None else layer_ids,
+                                target_config.num_hidden_layers)
     embedding = target.get_input_embeddings()
     expected = (draft_config.vocab_size, draft_config.hidden_size)
     if draft_config.share_target_embedding and tuple(embedding.weight.shape) != expected:
@@ -125,6 +113,20 @@ def trained_for_another_model(draft_config: Eagle3Config, target: PreTrainedMode
         return True
     name = str(target.config.name_or_path)
     return not (os.path.isabs(name) or name.startswith(".") or Path(name).exists())
+
+
+def _layer_problems(draft_config: Eagle3Config, layer_ids: list[int] | None, num_layers: int) -> list[str]:
+    if layer_ids is None:
+        return ["the draft config has no `target_layer_ids` (set it, or `target_num_hidden_layers`)"]
+    if not all(0 <= i <= num_layers for i in layer_ids):
+        return [f"draft target_layer_ids={layer_ids} are outside the target's hidden_states indices 0..{num_layers}"]
+    if draft_config.converted_from is not None and num_layers in layer_ids:
+        return [(
+            f"the draft, converted from {draft_config.converted_from['format']}, reads the output of the target's "
+            f"last layer, which its engines take before the target's final norm, but transformers' "
+            f"hidden_states[{num_layers}] is taken after it"
+        )]
+    return []
 
 
 def record_target_special_tokens(draft_config: Eagle3Config, target: PreTrainedModel) -> None:

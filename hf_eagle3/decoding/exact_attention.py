@@ -5,7 +5,7 @@ the attention kernels' reductions over keys depend on that layout (vector lanes,
 logits then differ from what plain decoding computes by up to about half a logit, enough to flip near-ties, so greedy
 outputs part from plain `generate`.
 
-`exact_tree_attention` removes the difference. Each node attends to the keys plain decoding would hold at that point,
+`exact_tree_sdpa` removes the difference. Each node attends to the keys plain decoding would hold at that point,
 in the same order and nothing else: the prefix, then its own path from the root. The nodes of one depth have key
 sequences of one length, so one call per depth scores them all, the nodes in the batch dimension, through the very
 function plain decoding uses (transformers' sdpa attention) with the arguments it passes: no mask, one query.

@@ -108,24 +108,11 @@ def _check_supported(model, input_ids: torch.Tensor, generation_config, model_kw
 
 
 def eagle3_generate(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    *,
-    draft: Eagle3DraftModel | None = None,
-    tree_depth: int | None = None,
-    tree_top_k: int | None = None,
-    tree_total_tokens: int | None = None,
-    tree_shape: str | None = None,
-    ngram_candidates: bool | None = None,
-    exact_attention: bool | None = None,
-    record_greedy_cycles: bool = False,
-    eagle3_streamer=None,
-    **model_kwargs,
+    model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+    synced_gpus: bool = False, streamer=None, *, draft: Eagle3DraftModel | None = None, tree_depth: int | None = None,
+    tree_top_k: int | None = None, tree_total_tokens: int | None = None, tree_shape: str | None = None,
+    ngram_candidates: bool | None = None, exact_attention: bool | None = None, record_greedy_cycles: bool = False,
+    eagle3_streamer=None, **model_kwargs,
 ):
     """EAGLE-3 decoding (greedy and sampling, batches left-padded as transformers pads them), as a `custom_generate`
     callable: `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)`.
@@ -164,24 +151,36 @@ def eagle3_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if settings.tree is None:  # no tree pays here: plain decoding, the draft is not run
-        logger.warning_once(settings.shape_choice)
-        stats = Eagle3GenerationStats(None, shape_choice=settings.shape_choice)
-        draft.generation_stats = stats
-        # the loop `generate` itself runs for greedy decoding and sampling
-        output = model._sample(input_ids, logits_processor, stopping_criteria, generation_config,
-                               streamer=streamer, **model_kwargs)
-        if not generation_config.return_dict_in_generate:
-            return output
-        return Eagle3GenerateOutput(**output, eagle3_stats=stats)
-    cache = model_kwargs.get("cache")
-    if type(cache) is DynamicCache and cache.get_seq_length() == 0 and any(layer.is_sliding for layer in cache.layers):
-        # A sliding-window layer keeps only the last window of entries; the cycle's cache compaction indexes entries
-        # by sequence position, so keep them all (the verification masks apply the window).
-        model_kwargs["cache"] = DynamicCache()
+        return _decode_plainly(model, draft, settings.shape_choice, input_ids, logits_processor, stopping_criteria,
+                               generation_config, streamer, model_kwargs)
+    model_kwargs["cache"] = _keeping_every_entry(model_kwargs.get("cache"))
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
     _check_cached_prefix(draft, input_ids, generation_config, model_kwargs)
     return decode(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
                   streamer, record_greedy_cycles, model_kwargs)
+
+
+def _decode_plainly(model, draft: Eagle3DraftModel, reason: str, input_ids, logits_processor, stopping_criteria,
+                    generation_config, streamer, model_kwargs: dict):
+    """The loop `generate` itself runs for greedy decoding and sampling, where `tree_shape="auto"` found that no tree
+    pays (`reason`), with the call's statistics."""
+    logger.warning_once(reason)
+    stats = Eagle3GenerationStats(None, shape_choice=reason)
+    draft.generation_stats = stats
+    output = model._sample(input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
+                           **model_kwargs)
+    if not generation_config.return_dict_in_generate:
+        return output
+    return Eagle3GenerateOutput(**output, eagle3_stats=stats)
+
+
+def _keeping_every_entry(cache):
+    """An empty dynamic cache whose sliding-window layers would keep only the last window of entries is replaced by
+    one that keeps them all: the cycle's cache compaction indexes entries by sequence position (the verification
+    masks apply the window)."""
+    if type(cache) is DynamicCache and cache.get_seq_length() == 0 and any(layer.is_sliding for layer in cache.layers):
+        return DynamicCache()
+    return cache
 
 
 def _with_stop_string_criteria(model, arguments: dict) -> dict:

@@ -40,6 +40,7 @@ class Run:
     settings: DecodingSettings
     attention: TargetAttention
     layer_ids: list[int]
+    draft_to_target: torch.Tensor  # [V_d] the target id of each draft vocabulary entry
     logits_processor: object
     stopping: Stopping
     temperature: float | None  # sampling temperature; `None` for greedy decoding
@@ -61,22 +62,14 @@ def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
     start_time = time.perf_counter()
     rows, state, emissions = prefill(run, input_ids, model_kwargs)
     while True:
-        for row, emission in zip(state.rows, emissions):
-            emitted = row.emit(emission, run.stopping)
-            if streamer is not None:
-                streamer.put(emitted.cpu())
+        emit(run, state, emissions)
         decoding = decoding_rows(rows, state.rows, run.stopping)
         if not decoding:
             break
         state = state.select(decoding)
         proposals = propose(run, state)
         logits, features = verify(run, state, proposals)
-        acceptances = accept(run, state, proposals, logits, features)
-        emissions = [
-            Emission(torch.cat([proposal.tree.tokens[accepted.path[1:]], accepted.bonus]), accepted.scores,
-                     row_logits[accepted.path].float())
-            for proposal, accepted, row_logits in zip(proposals, acceptances, logits)
-        ]
+        acceptances, emissions = accept(run, state, proposals, logits, features)
         state = compact(state, acceptances)
     return _finish(run, rows, state.cache, generation_config, start_time)
 
@@ -105,7 +98,7 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
     stats = Eagle3GenerationStats(settings.tree, shape_choice=settings.shape_choice)
     draft.generation_stats = stats
     return Run(
-        model, forward, draft, settings, attention, layer_ids, logits_processor, stopping,
+        model, forward, draft, settings, attention, layer_ids, draft.draft_to_target, logits_processor, stopping,
         temperature=(generation_config.temperature or 1.0) if do_sample else None,
         record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, batch_size=batch_size,
         streamer=streamer, stats=stats, stopwatch=Stopwatch(stats, input_ids.device),
@@ -150,6 +143,14 @@ def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list
     return rows, state, emissions
 
 
+def emit(run: Run, state: BatchState, emissions: list[Emission]) -> None:
+    """Each row appends its emission, up to where the stopping criteria hold; the streamer receives what it kept."""
+    for row, emission in zip(state.rows, emissions):
+        emitted = row.emit(emission, run.stopping)
+        if run.streamer is not None:
+            run.streamer.put(emitted.cpu())
+
+
 def propose(run: Run, state: BatchState) -> list[DraftProposal]:
     """Each row's tree below its root."""
     with run.stopwatch.time("draft_seconds"):
@@ -181,9 +182,10 @@ def verify(run: Run, state: BatchState, proposals: list[DraftProposal]) -> tuple
 
 
 def accept(run: Run, state: BatchState, proposals: list[DraftProposal], logits: torch.Tensor,
-           features: torch.Tensor) -> list[Acceptance]:
-    """Each row's accepted path and bonus token; the accepted positions' features go to the row's proposer."""
-    acceptances = []
+           features: torch.Tensor) -> tuple[list[Acceptance], list[Emission]]:
+    """Each row's accepted path and bonus token, and what it emits; the accepted positions' features go to the row's
+    proposer."""
+    acceptances, emissions = [], []
     for index, (row, proposal) in enumerate(zip(state.rows, proposals)):
         accepted = _accept_tree(run, row, proposal, logits[index])  # logits in the model dtype: argmax is exact
         row.record(proposal, accepted.path, run.record_cycles)
@@ -192,7 +194,8 @@ def accept(run: Run, state: BatchState, proposals: list[DraftProposal], logits: 
         with run.stopwatch.time("draft_seconds"):
             row.proposer.accepted(Verified(positions, features[index, accepted.path], tokens), proposal, accepted.path)
         acceptances.append(accepted)
-    return acceptances
+        emissions.append(Emission(tokens, accepted.scores, logits[index, accepted.path].float()))
+    return acceptances, emissions
 
 
 def _accept_tree(run: Run, row: Row, proposal: DraftProposal, logits: torch.Tensor) -> Acceptance:
@@ -202,7 +205,7 @@ def _accept_tree(run: Run, row: Row, proposal: DraftProposal, logits: torch.Tens
     scores_after = processed_scores(run.logits_processor, row.tokens[None], tree, logits, row.index, run.batch_size)
     if run.temperature is None:
         return accept_walk(tree, scores_after, greedy_pick(tree))
-    pick = sampling_pick(tree, proposal.draft_probs, proposal.sampled, run.draft.draft_to_target)
+    pick = sampling_pick(tree, proposal.draft_probs, proposal.sampled, run.draft_to_target)
     return accept_walk(tree, scores_after, pick)
 
 
