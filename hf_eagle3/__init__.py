@@ -4,8 +4,10 @@ Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Au
 `target.generate(**inputs, assistant_model=draft)` run EAGLE-3 whenever `draft` is an `Eagle3DraftModel`, also inside
 `pipeline("text-generation", model=target, assistant_model=draft)` (the draft, or its path or Hub id);
 `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)` runs the same loop through transformers'
-`custom_generate` extension point. `hf_eagle3.optimize(model)` lays a model's linear weights out for fast multi-token
-forwards on CPU, explicitly (`decoding.cpu_layout`).
+`custom_generate` extension point. It also registers transformers' "sdpa" attention function as one that a
+verification forward can ask, by a keyword argument, to attend node by node (`exact_attention=True`).
+`hf_eagle3.optimize(model)` lays a model's linear weights out for fast multi-token forwards on CPU, explicitly
+(`decoding.cpu_layout`).
 """
 
 from transformers import AutoConfig, AutoModel
@@ -14,6 +16,7 @@ from .configuration_eagle3 import Eagle3Config
 from .conversion.foreign import read_foreign
 from .decoding.compatibility import check_compatibility, check_transformers_version
 from .decoding.cpu_layout import optimize, standard_layout
+from .decoding.exact_attention import install as install_exact_attention
 from .decoding.generate import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
 from .decoding.pipelines import install as install_pipeline_support
 from .modeling_eagle3 import Eagle3DraftModel
@@ -31,6 +34,7 @@ Eagle3DraftModel.register_checkpoint_reader(read_foreign)
 Eagle3DraftModel.register_pusher(push_draft)
 install()
 install_pipeline_support()
+install_exact_attention()
 
 __version__ = "0.1.0"
 __all__ = [

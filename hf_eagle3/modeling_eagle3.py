@@ -198,6 +198,15 @@ class Eagle3PreTrainedModel(PreTrainedModel):
             init.copy_(module.t2d, torch.arange(module.t2d.numel()) < module.d2t.numel())
 
 
+class _PerThread(threading.local):
+    """One value per thread, released when the thread ends; a copied or pickled model starts without any."""
+
+    value = None
+
+    def __reduce__(self):
+        return type(self), ()
+
+
 class Eagle3DraftModel(Eagle3PreTrainedModel):
     """The EAGLE-3 draft: fusion `fc`, one decoder layer (`midlayer`), final `norm` and a reduced-vocabulary `lm_head`.
 
@@ -231,7 +240,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.post_init()
         self.generation_config = GenerationConfig()
-        self._generation_stats_of_thread = {}  # thread id -> `Eagle3GenerationStats` (see `generation_stats`)
+        self._generation_stats = _PerThread()  # each thread's last `Eagle3GenerationStats` (see `generation_stats`)
         self._target_embedding_attached = not config.share_target_embedding
         self._target_lm_head_attached = not config.share_target_lm_head
         shared = self._shared_module_names()
@@ -449,13 +458,14 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     @property
     def generation_stats(self):
         """What this thread's last EAGLE-3 `generate` call with this draft did (an
-        `hf_eagle3.decoding.generate.Eagle3GenerationStats`), `None` before its first: threads sharing one draft each read
-        their own call's. `generate(..., return_dict_in_generate=True)` also returns it, as `output.eagle3_stats`."""
-        return self._generation_stats_of_thread.get(threading.get_ident())
+        `hf_eagle3.decoding.stats.Eagle3GenerationStats`), `None` before its first: threads sharing one draft each read
+        their own call's, and a thread's is released when the thread ends. `generate(..., return_dict_in_generate=True)`
+        returns it too, as `output.eagle3_stats`."""
+        return self._generation_stats.value
 
     @generation_stats.setter
     def generation_stats(self, stats) -> None:
-        self._generation_stats_of_thread[threading.get_ident()] = stats
+        self._generation_stats.value = stats
 
     @property
     def draft_to_target(self) -> torch.Tensor:

@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_target
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_eagle3.decoding.exact_attention import ATTENTION_NAME, TreeKeyLayout, exact_tree_attention
+from hf_eagle3.decoding.exact_attention import KEYWORD, TreeKeyLayout
 from hf_eagle3.decoding.tree import build_tree, tree_attention_mask
 
 HEADS, KV_HEADS, HEAD_DIM, PREFIX = 6, 2, 16, 37
@@ -45,9 +45,9 @@ def test_each_node_gets_plain_decodings_attention_bit_for_bit(dtype):
     nodes = tree.num_nodes
     query = torch.randn(1, HEADS, nodes, HEAD_DIM, dtype=dtype)
     key, value = (torch.randn(1, KV_HEADS, PREFIX + nodes, HEAD_DIM, dtype=dtype) for _ in range(2))
-    attention = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME]
-    with exact_tree_attention(tiny_target(), tree, PREFIX):
-        output, _ = attention(_Attention(), query, key, value, None, dropout=0.0, scaling=HEAD_DIM**-0.5)
+    attention = ALL_ATTENTION_FUNCTIONS["sdpa"]  # what an sdpa target's layers call
+    output, _ = attention(_Attention(), query, key, value, None, dropout=0.0, scaling=HEAD_DIM**-0.5,
+                          **{KEYWORD: TreeKeyLayout.of(tree, PREFIX)})
     assert output.shape == (1, nodes, HEADS, HEAD_DIM)
     for node in range(nodes):
         # Plain decoding at this node: one query over the prefix and the node's path, in that order, no mask.
@@ -64,15 +64,9 @@ def test_each_node_gets_plain_decodings_attention_bit_for_bit(dtype):
         torch.testing.assert_close(output, masked)
 
 
-def test_outside_a_verification_it_is_plain_sdpa_and_the_model_is_restored():
-    model = tiny_target()
+def test_a_forward_that_passes_no_tree_keys_gets_plain_sdpa():
     torch.manual_seed(0)
     query, key, value = (torch.randn(1, HEADS, 5, HEAD_DIM) for _ in range(3))
-    sdpa, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](_Attention(), query, key, value, None, scaling=0.25)
-    exact, _ = ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME](_Attention(), query, key, value, None, scaling=0.25)
-    assert torch.equal(exact, sdpa)
-    with pytest.raises(RuntimeError, match="inside"):
-        with exact_tree_attention(model, _tree(), PREFIX):
-            assert model.config._attn_implementation == ATTENTION_NAME
-            raise RuntimeError("inside")
-    assert model.config._attn_implementation == "sdpa"
+    plain, _ = sdpa_attention_forward(_Attention(), query, key, value, None, scaling=0.25)
+    registered, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](_Attention(), query, key, value, None, scaling=0.25)
+    assert torch.equal(registered, plain)

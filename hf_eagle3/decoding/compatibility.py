@@ -27,22 +27,31 @@ def check_transformers_version(version: str = transformers.__version__) -> None:
         )
 
 
-def adopt_target_layers(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
-    """Give a draft whose checkpoint does not say which target layers it reads (official EAGLE-3 and AngelSlim
-    drafts loaded directly) the default taps of `target`, as the official code and vLLM do."""
+def target_layer_ids(draft_config: Eagle3Config, target: PreTrainedModel) -> list[int] | None:
+    """The target `hidden_states` the draft reads: those its config records, else (official EAGLE-3 and AngelSlim
+    drafts loaded directly do not record them) the default taps of `target`, as the official code and vLLM choose."""
     num_layers = getattr(target.config.get_text_config(), "num_hidden_layers", None)
     if draft_config.target_layer_ids is not None or num_layers is None:
-        return
-    draft_config.target_num_hidden_layers = num_layers
-    draft_config.target_layer_ids = default_target_layer_ids(num_layers)
+        return draft_config.target_layer_ids
+    layer_ids = default_target_layer_ids(num_layers)
     logger.warning_once(
-        f"The draft does not record which target layers it reads: using hidden_states {draft_config.target_layer_ids}"
-        f" of this {num_layers}-layer target, the official choice."
+        f"The draft does not record which target layers it reads: using hidden_states {layer_ids} of this "
+        f"{num_layers}-layer target, the official choice."
     )
+    return layer_ids
 
 
-def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
-    """Raise one `ValueError` naming every way `draft_config` does not fit `target`; return silently if it fits."""
+def adopt_target_layers(draft_config: Eagle3Config, target: PreTrainedModel) -> None:
+    """Record in `draft_config` the target layers it reads (`target_layer_ids`), where it does not say."""
+    if draft_config.target_layer_ids is None and (layer_ids := target_layer_ids(draft_config, target)) is not None:
+        draft_config.target_num_hidden_layers = target.config.get_text_config().num_hidden_layers
+        draft_config.target_layer_ids = layer_ids
+
+
+def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel, layer_ids: list[int] | None = None
+                        ) -> None:
+    """Raise one `ValueError` naming every way `draft_config` does not fit `target`; return silently if it fits.
+    `layer_ids`: the target layers the draft reads, where they are not its config's (`target_layer_ids`)."""
     target_config = target.config.get_text_config()
     problems = []
     for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
@@ -60,20 +69,8 @@ def check_compatibility(draft_config: Eagle3Config, target: PreTrainedModel) -> 
         problems.append(
             f"draft vocab_size={draft_config.vocab_size} but the target's vocab_size is {target_config.vocab_size}"
         )
-    num_layers = target_config.num_hidden_layers
-    if draft_config.target_layer_ids is None:
-        problems.append("the draft config has no `target_layer_ids` (set it, or `target_num_hidden_layers`)")
-    elif not all(0 <= i <= num_layers for i in draft_config.target_layer_ids):
-        problems.append(
-            f"draft target_layer_ids={draft_config.target_layer_ids} are outside the target's hidden_states "
-            f"indices 0..{num_layers}"
-        )
-    elif draft_config.converted_from is not None and num_layers in draft_config.target_layer_ids:
-        problems.append(
-            f"the draft, converted from {draft_config.converted_from['format']}, reads the output of the target's "
-            f"last layer, which its engines take before the target's final norm, but transformers' "
-            f"hidden_states[{num_layers}] is taken after it"
-        )
+    problems += _layer_problems(draft_config, draft_config.target_layer_ids if layer_ids is None else layer_ids,
+                                target_config.num_hidden_layers)
     embedding = target.get_input_embeddings()
     expected = (draft_config.vocab_size, draft_config.hidden_size)
     if draft_config.share_target_embedding and tuple(embedding.weight.shape) != expected:
@@ -116,6 +113,20 @@ def trained_for_another_model(draft_config: Eagle3Config, target: PreTrainedMode
         return True
     name = str(target.config.name_or_path)
     return not (os.path.isabs(name) or name.startswith(".") or Path(name).exists())
+
+
+def _layer_problems(draft_config: Eagle3Config, layer_ids: list[int] | None, num_layers: int) -> list[str]:
+    if layer_ids is None:
+        return ["the draft config has no `target_layer_ids` (set it, or `target_num_hidden_layers`)"]
+    if not all(0 <= i <= num_layers for i in layer_ids):
+        return [f"draft target_layer_ids={layer_ids} are outside the target's hidden_states indices 0..{num_layers}"]
+    if draft_config.converted_from is not None and num_layers in layer_ids:
+        return [(
+            f"the draft, converted from {draft_config.converted_from['format']}, reads the output of the target's "
+            f"last layer, which its engines take before the target's final norm, but transformers' "
+            f"hidden_states[{num_layers}] is taken after it"
+        )]
+    return []
 
 
 def record_target_special_tokens(draft_config: Eagle3Config, target: PreTrainedModel) -> None:

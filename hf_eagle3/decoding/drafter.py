@@ -55,6 +55,16 @@ def max_candidates(depth: int, top_k: int) -> int:
     return top_k + (depth - 1) * top_k * top_k
 
 
+def _sampled_chain_proposal(tree: DraftTree, drafted: torch.Tensor, continuation_nodes: torch.Tensor) -> DraftProposal:
+    """The proposal of a sampled chain: `drafted` `[depth, V_d]` holds the distribution each depth's chain candidate
+    was drawn from (the chain's candidates come first, one per depth)."""
+    node_candidates = torch.cat([tree.candidate_ids.new_zeros(1), tree.candidate_ids])
+    sampled = node_candidates < drafted.shape[0]
+    sampled[0] = False  # the root
+    draft_probs = drafted[node_candidates.clamp_max(drafted.shape[0] - 1)]  # [N + 1, V_d]
+    return DraftProposal(tree, draft_probs, sampled, continuation_nodes)
+
+
 class Eagle3Drafter:
     """Drafts trees for one sequence.
 
@@ -114,20 +124,12 @@ class Eagle3Drafter:
         ancestry = torch.zeros(top_k, 0, dtype=torch.bool, device=device)  # frontier x speculative cache entries
         num_candidates = top_k
         for depth in range(2, self.settings.depth + 1):
-            visible = torch.cat(
-                [
-                    torch.ones(top_k, self.num_verified, dtype=torch.bool, device=device),
-                    ancestry,
-                    torch.eye(top_k, dtype=torch.bool, device=device),
-                ],
-                dim=1,
-            )
+            visible = torch.cat([torch.ones(top_k, self.num_verified, dtype=torch.bool, device=device), ancestry,
+                                 torch.eye(top_k, dtype=torch.bool, device=device)], dim=1)
             output = self.draft(
-                input_ids=self.draft_to_target[frontier_ids][None],
-                hidden_states=frontier_hidden,
+                input_ids=self.draft_to_target[frontier_ids][None], hidden_states=frontier_hidden,
                 position_ids=torch.full((1, top_k), root_position + depth - 2, device=device),
-                attention_mask=visible[None, None],
-                cache=self.cache,
+                attention_mask=visible[None, None], cache=self.cache,
             )
             child_scores, child_ids, probs = self._children(output.logits[0], frontier_scores, top_k)  # [k, k]
             candidate_tokens.append(child_ids.flatten())
@@ -156,12 +158,7 @@ class Eagle3Drafter:
         continuation_nodes = (kept.int().argmax(-1) + 1)[kept.any(-1)]
         if not self.sample_chain:
             return DraftProposal(tree, None, None, continuation_nodes)
-        drafted = torch.stack(sampled_probs)  # [depth, V_d]: the chain's candidates come first, one per depth
-        node_candidates = torch.cat([tree.candidate_ids.new_zeros(1), tree.candidate_ids])
-        sampled = node_candidates < drafted.shape[0]
-        sampled[0] = False  # the root
-        draft_probs = drafted[node_candidates.clamp_max(drafted.shape[0] - 1)]  # [N + 1, V_d]
-        return DraftProposal(tree, draft_probs, sampled, continuation_nodes)
+        return _sampled_chain_proposal(tree, torch.stack(sampled_probs), continuation_nodes)
 
     def _children(
         self, logits: torch.Tensor, frontier_scores: torch.Tensor, top_k: int

@@ -1,0 +1,302 @@
+"""The EAGLE-3 decoding loop: prefill, then cycles of propose, verify, accept and compact until every row stops.
+
+One cycle: each unfinished row's proposer grows a tree below its last generated token (the root); the target
+verifies every row's root and tree in one forward, each row with its own tree attention mask over its visible cache
+entries and its own positions (`target_attention`), returning the hidden states the draft fuses; each row accepts its
+own path and a bonus token (`verify`) and feeds its accepted positions' target features to its proposer. The target's
+cache keeps, for every row, its accepted entries, contiguous after the previous prefix; a row that accepted fewer than
+the longest leaves unused entries, which its visibility mask hides from then on (the cache grows by the longest
+accepted path per cycle; plain decoding over a left-padded batch hides its padding the same way). Finished rows leave
+the batch; the output pads them exactly as plain batched decoding does.
+
+Rows stop as plain batched decoding stops them: with an EOS criterion a row that stops is padded with the pad token
+until every row has stopped; without one (stop strings or `max_length` only), plain decoding goes on computing the rows
+that stopped until the last row stops, so a stopped row decodes on here too, up to the length of the longest row.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import StaticCache
+from transformers.utils import logging
+
+from ..modeling_eagle3 import Eagle3DraftModel
+from .batch_state import BatchState, Emission, Row, Stopping, decoding_rows, keep_cache_entries
+from .calibration import forget_calibration
+from .drafter import DraftProposal, TreeSettings
+from .online import Decision, OnlineCheck
+from .proposer import Eagle3Proposer, PlainProposer, Verified
+from .settings import DecodingSettings
+from .stats import Eagle3GenerateOutput, Eagle3GenerationStats, Stopwatch
+from .target_attention import TargetAttention
+from .verify import Acceptance, accept_argmax, accept_walk, greedy_pick, processed_scores, sampling_pick
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the loop reads, unchanged, for the whole call."""
+
+    model: object
+    forward: object  # the target's forward for verification: compiled where `generate` compiles its own
+    draft: Eagle3DraftModel
+    settings: DecodingSettings
+    attention: TargetAttention
+    layer_ids: list[int]
+    draft_to_target: torch.Tensor  # [V_d] the target id of each draft vocabulary entry
+    logits_processor: object
+    stopping: Stopping
+    temperature: float | None  # sampling temperature; `None` for greedy decoding
+    record_cycles: bool
+    static_length: int | None  # a static cache's length, which every verification mask spans
+    batch_size: int
+    streamer: object
+    stats: Eagle3GenerationStats
+    stopwatch: Stopwatch
+
+
+def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids: list[int], input_ids: torch.Tensor,
+           logits_processor, stopping_criteria, generation_config, streamer, record_greedy_cycles: bool,
+           model_kwargs: dict):
+    """EAGLE-3 decoding of `input_ids` (`[B, L]`) with the call's prepared `model_kwargs` (a checked target cache);
+    the draft reads the target's `hidden_states[i]` for `i` in `layer_ids`."""
+    run = _start(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
+                 streamer, record_greedy_cycles, model_kwargs)
+    start_time = time.perf_counter()
+    rows, state, emissions = prefill(run, input_ids, model_kwargs)
+    online = online_check(settings)
+    while True:
+        cycle_start = time.perf_counter()
+        emit(run, state, emissions)
+        decoding = decoding_rows(rows, state.rows, run.stopping)
+        if not decoding:
+            break
+        state = state.select(decoding)
+        proposals = propose(run, state)
+        logits, features = verify(run, state, proposals)
+        acceptances, emissions = accept(run, state, proposals, logits, features)
+        state = compact(state, acceptances)
+        if online is not None:
+            online = check_online(run, state, online, time.perf_counter() - cycle_start, acceptances)
+    return _finish(run, rows, state.cache, generation_config, start_time)
+
+
+def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids: list[int], input_ids, logits_processor,
+           stopping_criteria, generation_config, streamer, record_greedy_cycles: bool, model_kwargs: dict) -> Run:
+    batch_size = input_ids.shape[0]
+    attention = TargetAttention(model, settings.exact_attention, model_kwargs.get("attention_mask"), batch_size)
+    cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings.tree,
+                                              settings.exact_attention)
+    model_kwargs["cache"] = cache
+    # As `_sample` does: the forwards after the prefill compiled where transformers compiles them (a static cache on
+    # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
+    compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
+    draft.attach_target(model)
+    do_sample = generation_config.do_sample
+    return_dict = generation_config.return_dict_in_generate
+    stopping = Stopping(
+        criteria=stopping_criteria,
+        max_length=generation_config.max_length,
+        pad_stopped_rows=any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria),  # as `_sample`
+        keep_scores=bool(return_dict and generation_config.output_scores),
+        keep_logits=bool(return_dict and generation_config.output_logits),
+    )
+    stats = Eagle3GenerationStats(settings.tree, shape_choice=settings.shape_choice)
+    draft.generation_stats = stats
+    return Run(
+        model, forward, draft, settings, attention, layer_ids, draft.draft_to_target, logits_processor, stopping,
+        temperature=(generation_config.temperature or 1.0) if do_sample else None,
+        record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, batch_size=batch_size,
+        streamer=streamer, stats=stats, stopwatch=Stopwatch(stats, input_ids.device),
+    )
+
+
+def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list[Row], BatchState, list[Emission]]:
+    """The prompts through the target (what follows the cache's prefix, as plain decoding feeds them), each row's fed
+    visible positions' features through its proposer; each row's first token.
+
+    A cache that already holds a prefix has no features for it: the draft starts at the first fed token, and the
+    prefix reaches it through the target's features of the fed tokens (the target attended to it)."""
+    with run.stopwatch.time("prefill_seconds"):
+        model, length = run.model, input_ids.shape[1]
+        cached = int(model_kwargs["cache"].get_seq_length())
+        model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=length - cached,
+                                                           is_first_iteration=True, **model_kwargs)
+        outputs = model(**model_inputs, output_hidden_states=run.layer_ids)
+        attention_mask = model_kwargs.get("attention_mask")
+        visible = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids).bool()
+        key_positions = model_kwargs.get("position_ids")  # [B, L]: positions of the cache entries
+        if key_positions is None:
+            key_positions = torch.arange(length, device=input_ids.device)[None]
+        key_positions = key_positions.expand(run.batch_size, -1)
+        next_logits = outputs.logits[:, -1].float()  # [B, V]
+        next_scores = run.logits_processor(input_ids, next_logits)
+        next_tokens = (torch.multinomial(next_scores.softmax(-1), 1)[:, 0] if run.temperature is not None
+                       else next_scores.argmax(-1))
+        features = torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)  # [B, L - cached, 3 k_t]
+        followers = torch.cat([input_ids[:, cached + 1 :], next_tokens[:, None]], dim=-1)
+        rows = []
+        for index in range(run.batch_size):
+            fed = visible[index, cached:]
+            proposer = Eagle3Proposer(run.draft, run.settings.tree, run.temperature, run.settings.ngram_candidates,
+                                      context_start=int(visible[index].int().argmax()))
+            proposer.accepted(Verified(key_positions[index, cached:][fed], features[index, fed], followers[index, fed]))
+            rows.append(Row(index, input_ids[index], proposer))
+    run.stats.rows = [row.stats for row in rows]
+    state = BatchState(rows, model_kwargs["cache"], visible, key_positions, key_positions[:, -1] + 1)
+    emissions = [Emission(next_tokens[index, None], next_scores[index, None], next_logits[index, None])
+                 for index in range(run.batch_size)]
+    return rows, state, emissions
+
+
+def emit(run: Run, state: BatchState, emissions: list[Emission]) -> None:
+    """Each row appends its emission, up to where the stopping criteria hold; the streamer receives what it kept."""
+    for row, emission in zip(state.rows, emissions):
+        emitted = row.emit(emission, run.stopping)
+        if run.streamer is not None:
+            run.streamer.put(emitted.cpu())
+
+
+def propose(run: Run, state: BatchState) -> list[DraftProposal]:
+    """Each row's tree below its root."""
+    with run.stopwatch.time("draft_seconds"):
+        return [row.proposer.propose(row.tokens, int(position)) for row, position in zip(state.rows,
+                                                                                         state.root_positions)]
+
+
+def verify(run: Run, state: BatchState, proposals: list[DraftProposal]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over every row's tree: its logits `[b, n, V]` and features `[b, n, 3 k_t]` at the nodes."""
+    trees = [proposal.tree for proposal in proposals]
+    prefix_length = state.visible.shape[1]
+    node_positions = state.root_positions[:, None] + torch.stack([tree.depths for tree in trees])  # [b, n]
+    key_positions = torch.cat([state.key_positions, node_positions], dim=1)
+    attends = run.attention.verification_kwargs(trees, prefix_length)
+    with run.stopwatch.time("verify_seconds"):
+        outputs = run.forward(
+            input_ids=torch.stack([tree.tokens for tree in trees]),
+            position_ids=node_positions,
+            attention_mask=run.attention.verification_mask(trees, state.visible, key_positions, run.model.dtype,
+                                                           run.static_length),
+            cache=state.cache,
+            output_hidden_states=run.layer_ids,
+            use_cache=True,
+            **attends,
+        )
+    run.attention.check_verified(run.model, attends)
+    run.stats.num_cycles += 1
+    return outputs.logits, torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)
+
+
+def accept(run: Run, state: BatchState, proposals: list[DraftProposal], logits: torch.Tensor,
+           features: torch.Tensor) -> tuple[list[Acceptance], list[Emission]]:
+    """Each row's accepted path and bonus token, and what it emits; the accepted positions' features go to the row's
+    proposer."""
+    acceptances, emissions = [], []
+    for index, (row, proposal) in enumerate(zip(state.rows, proposals)):
+        accepted = _accept_tree(run, row, proposal, logits[index])  # logits in the model dtype: argmax is exact
+        row.record(proposal, accepted.path, run.record_cycles)
+        tokens = torch.cat([proposal.tree.tokens[accepted.path[1:]], accepted.bonus])
+        positions = state.root_positions[index] + torch.arange(accepted.path.numel(), device=tokens.device)
+        with run.stopwatch.time("draft_seconds"):
+            row.proposer.accepted(Verified(positions, features[index, accepted.path], tokens), proposal, accepted.path)
+        acceptances.append(accepted)
+        emissions.append(Emission(tokens, accepted.scores, logits[index, accepted.path].float()))
+    return acceptances, emissions
+
+
+def _accept_tree(run: Run, row: Row, proposal: DraftProposal, logits: torch.Tensor) -> Acceptance:
+    tree = proposal.tree
+    if run.temperature is None and len(run.logits_processor) == 0:
+        return accept_argmax(tree, logits)
+    scores_after = processed_scores(run.logits_processor, row.tokens[None], tree, logits, row.index, run.batch_size)
+    if run.temperature is None:
+        return accept_walk(tree, scores_after, greedy_pick(tree))
+    pick = sampling_pick(tree, proposal.draft_probs, proposal.sampled, run.draft_to_target)
+    return accept_walk(tree, scores_after, pick)
+
+
+def compact(state: BatchState, acceptances: list[Acceptance]) -> BatchState:
+    """Each row keeps its accepted cache entries; rows that accepted fewer leave entries their mask hides from now on."""
+    paths = [accepted.path for accepted in acceptances]
+    lengths = torch.tensor([path.numel() for path in paths], device=state.visible.device)
+    longest = int(lengths.max())
+    keep = torch.stack([torch.cat([path, path.new_zeros(longest - path.numel())]) for path in paths])
+    keep_cache_entries(state.cache, state.visible.shape[1], keep)
+    return state.advance(lengths)
+
+
+def online_check(settings: DecodingSettings) -> OnlineCheck | None:
+    """The check of a shape the calibration chose (`tree_shape="auto"`) against the call's own speed; `None` for a
+    shape the call fixed."""
+    choice = settings.choice
+    if choice is None or choice.prediction is None:
+        return None
+    return OnlineCheck(choice.costs.plain_step, choice.prediction.cycle_seconds)
+
+
+def check_online(run: Run, state: BatchState, online: OnlineCheck, seconds: float,
+                 acceptances: list[Acceptance]) -> OnlineCheck | None:
+    """Count the cycle; once the call's speed falls short of plain decoding's, every row goes on plainly (its
+    proposer proposes no candidate), and a record whose costs the call disproved is measured again next time.
+    Returns the check while it goes on, `None` once it has decided."""
+    tokens = sum(accepted.path.numel() for accepted in acceptances) / len(acceptances)
+    if online.observe(seconds, tokens) is Decision.KEEP:
+        return online
+    shape_choice = run.settings.shape_choice
+    run.stats.shape_choice = (f"{shape_choice}; measured in this call at {online.speedup:.2f}x plain decoding after "
+                              f"{online.cycles} cycles, so it went on plainly")
+    logger.warning_once(f"{shape_choice}; slower than plain decoding in a call, which went on plainly (its "
+                        "statistics' shape_choice says by how much)")
+    for row in state.rows:
+        row.proposer = PlainProposer()
+    if online.costs_disproved:
+        forget_calibration(run.settings.choice.path)
+    return None
+
+
+def _finish(run: Run, rows: list[Row], cache, generation_config, start_time: float):
+    if run.batch_size == 1:  # a cycle cut short by a stop leaves entries past the last kept token: plain has none
+        cache.crop(min(0, rows[0].tokens.numel() - 1 - int(cache.get_seq_length())))
+    if run.streamer is not None:
+        run.streamer.end()
+    final_length = max(row.stop_length for row in rows)
+    pad_token = generation_config._pad_token_tensor  # what `_sample` pads stopped rows with
+    sequences = torch.stack([_right_padded(row.tokens[:final_length], final_length, pad_token) for row in rows])
+    run.stats.total_seconds = time.perf_counter() - start_time
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return Eagle3GenerateOutput(
+        sequences=sequences,
+        scores=tuple(rows[0].scores) if run.stopping.keep_scores else None,
+        logits=tuple(rows[0].logits) if run.stopping.keep_logits else None,
+        cache=cache if run.batch_size == 1 else None,
+        eagle3_stats=run.stats,
+    )
+
+
+def _right_padded(tokens: torch.Tensor, length: int, pad_token: torch.Tensor | None) -> torch.Tensor:
+    if tokens.numel() == length:
+        return tokens
+    return torch.cat([tokens, pad_token.to(tokens).expand(length - tokens.numel())])
+
+
+def sized_static_cache(model, cache, generation_config, tree: TreeSettings, exact: bool):
+    """`(cache, key_length)`: a static cache with room for the call's last tree, and its length (what every
+    verification mask spans); a dynamic cache as it is, with `None`. A static cache too short is replaced while empty
+    and refused once filled."""
+    if type(cache) is not StaticCache:
+        return cache, None
+    if exact:
+        raise ValueError("exact_attention=True verifies node by node over a dynamic cache: drop "
+                         "cache_implementation='static', or drop exact_attention.")
+    needed = generation_config.max_length + tree.total_tokens  # a whole tree after at most max_length - 1 tokens
+    if cache.layers[0].max_cache_len < needed:
+        if cache.get_seq_length():
+            raise ValueError(f"EAGLE-3 decoding into this static cache needs room for {needed} tokens (max_length "
+                             f"plus the tree's {tree.total_tokens}): pass a StaticCache of max_cache_len >= "
+                             f"{needed}.")
+        cache = StaticCache(config=model.config, max_cache_len=needed)
+    return cache, cache.layers[0].max_cache_len

@@ -1,0 +1,94 @@
+"""The settings of one EAGLE-3 `generate` call, resolved from every place they can be set.
+
+From highest to lowest: the call's keyword arguments; the call's `generation_config` as `generate` prepared it (the
+call's own over the target's, field by field); the draft's `generation_config` (where transformers reads an
+assistant's settings, as it reads `num_assistant_tokens`); the draft config's defaults. A level that sets
+`tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes drops a lower `tree_shape`. With
+`tree_shape="auto"` the tree is the shape `calibration.choose_tree` predicts fastest on this machine at this batch
+size, or none (decode plainly).
+"""
+
+from dataclasses import dataclass
+
+from ..configuration_eagle3 import Eagle3Config
+from ..modeling_eagle3 import Eagle3DraftModel
+from .calibration import TreeChoice, choose_tree
+from .drafter import TreeSettings, max_candidates
+
+TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+# what a call, its generation config, the target's or the draft's generation config may set
+SETTING_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidates")
+# transformers' settings for its own candidate generators: they would be silently ignored
+ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """How one call decodes: the draft tree (`None`: plainly, the draft is not run), why that tree with
+    `tree_shape="auto"` (and the calibration's `choice`, which the loop checks against the call's own speed), whether
+    context n-gram continuations join the tree, and whether each node is verified over exactly plain decoding's
+    keys."""
+
+    tree: TreeSettings | None
+    shape_choice: str | None
+    ngram_candidates: bool
+    exact_attention: bool
+    choice: TreeChoice | None = None  # the calibration's choice with `tree_shape="auto"`, checked during the call
+
+
+def resolve_settings(model, draft: Eagle3DraftModel, generation_config, call: dict, batch_size: int,
+                     compile_config=None) -> DecodingSettings:
+    """The call's settings. `call` holds the call's keyword arguments by name (`SETTING_KWARGS`), `None` for unset;
+    `compile_config`: the verification forwards are compiled with it (`None`: eager), which is the path
+    `tree_shape="auto"` calibrates."""
+    ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if getattr(draft.generation_config, name, None) is not None)
+    if ignored:
+        raise TypeError(
+            f"The draft's generation_config sets {', '.join(ignored)}, which size transformers' own assisted "
+            "generation, which EAGLE-3 replaces: unset them, and set tree_depth / tree_top_k / tree_total_tokens "
+            "(or tree_shape='auto') instead."
+        )
+    levels = [
+        {name: getattr(config, name) for name in SETTING_KWARGS if getattr(config, name, None) is not None}
+        for config in (draft.generation_config, generation_config)
+    ]
+    layered = _layered([*levels, {name: value for name, value in call.items() if value is not None}])
+    for name in ("ngram_candidates", "exact_attention"):  # a string such as "no" would read as True
+        if not isinstance(layered.get(name, False), bool):
+            raise TypeError(f"{name} must be True or False, got {layered[name]!r}.")
+    ngram_candidates = bool(layered.get("ngram_candidates", draft.config.ngram_candidates))
+    exact_attention = bool(layered.get("exact_attention", False))
+    sizes = {name: layered[name] for name in TREE_KWARGS if name in layered}
+    shape = layered.get("tree_shape") or ("fixed" if sizes else draft.config.tree_shape)
+    if shape not in ("fixed", "auto"):
+        raise ValueError(f"tree_shape must be 'fixed' or 'auto', got {shape!r}.")
+    if shape == "fixed":
+        return DecodingSettings(_fixed_tree(draft.config, sizes), None, ngram_candidates, exact_attention)
+    if sizes:
+        raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(sizes)} or tree_shape.")
+    choice = choose_tree(model, draft, ngram_candidates, batch_size, compile_config)
+    return DecodingSettings(choice.settings, choice.reason, ngram_candidates, exact_attention, choice)
+
+
+def _layered(levels: list[dict]) -> dict:
+    """Merge `levels`, lowest first, each over the ones below it."""
+    settings = {}
+    for level in levels:
+        if level.get("tree_shape") == "auto":
+            settings = {name: value for name, value in settings.items() if name not in TREE_KWARGS}
+        elif "tree_shape" not in level and any(name in level for name in TREE_KWARGS):
+            settings.pop("tree_shape", None)
+        settings |= level
+    return settings
+
+
+def _fixed_tree(config: Eagle3Config, sizes: dict) -> TreeSettings:
+    """The tree of `sizes`, else the draft config's defaults. A default size is capped at what the tree holds
+    (`tree_top_k=1` alone drafts the whole chain); a size set for the call must fit (`TreeSettings`)."""
+    depth = sizes.get("tree_depth", config.tree_depth)
+    top_k = sizes.get("tree_top_k", config.tree_top_k)
+    default_total = min(config.tree_total_tokens, max_candidates(depth, top_k))
+    settings = TreeSettings(depth, top_k, sizes.get("tree_total_tokens", default_total))
+    if settings.top_k > config.draft_vocab_size:
+        raise ValueError(f"tree_top_k={settings.top_k} exceeds the draft vocabulary ({config.draft_vocab_size}).")
+    return settings

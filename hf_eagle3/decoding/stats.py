@@ -1,0 +1,104 @@
+"""What an EAGLE-3 `generate` call did (per-row acceptance, the call's time split, the tree it used and why), and the
+output that returns it."""
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .drafter import TreeSettings
+from .tree import DraftTree
+
+
+def _mean(lengths: list[int]) -> float:
+    return sum(lengths) / max(len(lengths), 1)
+
+
+@dataclass
+class Eagle3RowStats:
+    """What EAGLE-3 decoding did for one sequence of a call.
+
+    `acceptance_lengths[i]` is the number of tokens the row's cycle `i` emitted from one target forward (accepted
+    drafted tokens + the bonus token); the first token (from the prefill) is not counted, nor cycles after the row
+    stopped. `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy
+    decoding with `record_greedy_cycles=True` only. With `ngram_candidates`, `continuation_tokens` counts the accepted
+    drafted tokens that the context continuation proposed (alone or with the draft)."""
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    greedy_cycles: list[tuple[DraftTree, torch.Tensor]] = field(default_factory=list)
+    continuation_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ of this row: mean tokens per target forward."""
+        return _mean(self.acceptance_lengths)
+
+
+@dataclass
+class Eagle3GenerationStats:
+    """What one EAGLE-3 `generate` call did: `rows[b]` for row `b` of the batch (`Eagle3RowStats`), the time split of
+    the whole call (wall-clock seconds) and `num_cycles`, the verification forwards of the target.
+
+    The row fields read across the batch: `acceptance_lengths` and `greedy_cycles` list every row's cycles, row after
+    row (for one sequence, its own), `continuation_tokens` sums them. With `tree_shape="auto"`, `shape_choice` says
+    which shape was chosen and why; `settings` is `None` when the call decoded plainly (the draft was not run).
+    """
+
+    settings: TreeSettings | None
+    rows: list[Eagle3RowStats] = field(default_factory=list)
+    num_cycles: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    shape_choice: str | None = None
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [length for row in self.rows for length in row.acceptance_lengths]
+
+    @property
+    def greedy_cycles(self) -> list[tuple[DraftTree, torch.Tensor]]:
+        return [cycle for row in self.rows for cycle in row.greedy_cycles]
+
+    @property
+    def continuation_tokens(self) -> int:
+        return sum(row.continuation_tokens for row in self.rows)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ: mean tokens per target forward and row (verification cycles only)."""
+        return _mean(self.acceptance_lengths)
+
+    @property
+    def other_seconds(self) -> float:
+        """Time of the cycles spent outside drafting and verification: acceptance, bookkeeping, Python."""
+        return self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
+
+
+@dataclass
+class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` of an EAGLE-3 `generate` call, with what the call did (`eagle3_stats`).
+
+    `cache` is the target's cache for one sequence; for a batch it is `None` (rows leave the batch as they finish,
+    and the kept entries of rows that accepted fewer tokens are interleaved with unused ones)."""
+
+    eagle3_stats: Eagle3GenerationStats | None = None
+
+
+class Stopwatch:
+    """Accumulates wall time into fields of the stats; synchronises CUDA so that the split is real."""
+
+    def __init__(self, stats: Eagle3GenerationStats, device: torch.device):
+        self.stats = stats
+        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    @contextlib.contextmanager
+    def time(self, field_name: str):
+        self.synchronize()
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        setattr(self.stats, field_name, getattr(self.stats, field_name) + time.perf_counter() - start)
