@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test
+.PHONY: demo lint test
 
 $(BIN)/hf-eagle3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,5 +19,8 @@ $(BIN)/hf-eagle3: pyproject.toml
 demo: $(BIN)/hf-eagle3
 	$(BIN)/hf-eagle3 demo
 
-test: $(BIN)/hf-eagle3
+lint: $(BIN)/hf-eagle3
+	$(BIN)/ruff check hf_eagle3 conversion model_cards tests
+
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -78,13 +78,15 @@ def tiny_draft(seed: int = 0, draft_vocab_size: int = 64, vocab_size: int = VOCA
 
 def fit_draft(draft: Eagle3DraftModel, target, steps: int = 200, seed: int = 0) -> Eagle3DraftModel:
     """A few hundred steps of plain next-token fitting on the target's own greedy continuations, so that the draft
-    accepts tokens (a random draft accepts none). Test scaffolding only; `hf_eagle3.training.trainer` is the real trainer."""
+    accepts tokens (a random draft accepts none). Test scaffolding only; `hf_eagle3.training.trainer` is the real
+    trainer."""
     torch.manual_seed(seed)
     draft.attach_target_embedding(target.get_input_embeddings())
     draft.set_draft_vocabulary(torch.arange(draft.config.draft_vocab_size))
     prompts = torch.randint(1, draft.config.draft_vocab_size, (16, 6))
     with torch.no_grad():
-        sequences = target.generate(prompts, max_new_tokens=40, do_sample=False, attention_mask=torch.ones_like(prompts))
+        sequences = target.generate(prompts, max_new_tokens=40, do_sample=False,
+                                    attention_mask=torch.ones_like(prompts))
         hidden = target(sequences, output_hidden_states=True).hidden_states
         features = torch.cat([hidden[i] for i in draft.config.target_layer_ids], dim=-1)
     labels = sequences[:, 2:]

@@ -140,8 +140,8 @@ def test_logits_processors_and_context_candidates_on_batches(llama_target, fitte
     assert torch.equal(out.sequences, expected)
 
 
-@pytest.mark.parametrize("shape", [dict(tree_depth=3, tree_top_k=3, tree_total_tokens=8), dict(tree_depth=3, tree_top_k=1)],
-                         ids=["tree", "sampled-chain"])
+@pytest.mark.parametrize("shape", [dict(tree_depth=3, tree_top_k=3, tree_total_tokens=8),
+                                   dict(tree_depth=3, tree_top_k=1)], ids=["tree", "sampled-chain"])
 def test_sampling_keeps_every_rows_exact_distribution(target, draft, shape):
     # test_sampling's peaked target and its draft, over test_sampling's vocabulary
     prompts = [torch.tensor([5, 17, 3, 9]), torch.tensor([11, 2])]

@@ -162,7 +162,8 @@ def test_plot_shows_labelled_bars_on_integer_axes_from_zero_with_the_settings_in
             "accepted_length_histogram"]})
         assert [tick.get_text() for tick in lengths.get_xticklabels()] == [str(n) for n in emitted]
         assert lengths.get_ylim()[0] == 0 and len(lengths.patches) == 2 * len(emitted)
-        assert "accepted drafted tokens + 1" in lengths.get_xlabel() and alpha.get_xlabel().startswith("drafted position")
+        assert "accepted drafted tokens + 1" in lengths.get_xlabel()
+        assert alpha.get_xlabel().startswith("drafted position")
         # a method keeps its colour in every panel
         tree_colour = speed.patches[2].get_facecolor()
         assert alpha.patches[4].get_facecolor() == tree_colour == lengths.patches[len(emitted)].get_facecolor()

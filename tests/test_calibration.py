@@ -61,7 +61,8 @@ def test_calibration_is_not_reused_for_another_dtype_thread_count_or_draft(cache
         _, other_threads = calibrate(llama_target, auto_draft)
     finally:
         torch.set_num_threads(threads)
-    bf16_target, bf16_draft = copy.deepcopy(llama_target).to(torch.bfloat16), copy.deepcopy(auto_draft).to(torch.bfloat16)
+    bf16_target = copy.deepcopy(llama_target).to(torch.bfloat16)
+    bf16_draft = copy.deepcopy(auto_draft).to(torch.bfloat16)
     _, other_dtype = calibrate(bf16_target, bf16_draft)
     other_draft = fit_draft(tiny_draft(seed=1, draft_vocab_size=auto_draft.config.draft_vocab_size), llama_target,
                             steps=5)

@@ -39,7 +39,8 @@ def test_every_option_says_what_it_does_and_shows_its_default(command):
             continue
         assert action.help, f"{command} {action.option_strings or action.dest} has no help text"
         if action.default not in (None, False) and not action.required:
-            assert "(default: " in formatter._expand_help(action), f"{command} {action.option_strings} hides its default"
+            hidden = f"{command} {action.option_strings} hides its default"
+            assert "(default: " in formatter._expand_help(action), hidden
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -1,4 +1,5 @@
-"""Checkpoint conversion: every foreign format imports exactly, exports round-trip bit for bit, bad input writes nothing.
+"""Checkpoint conversion: every foreign format imports exactly, exports round-trip bit for bit, bad input writes
+nothing.
 
 Each fixture is written the way its project writes it (key names, config fields, dtypes, file type), and each
 converted draft is checked against a reference forward written here from the format's semantics, in plain torch.

@@ -47,7 +47,8 @@ def test_greedy_equals_plain_decoding_with_a_draft_that_accepts(llama_target, fi
 def test_eager_attention_target_is_lossless(fitted_draft):
     target = tiny_target("llama", attn_implementation="eager")
     prompt = PROMPTS[1]
-    assert torch.equal(_eagle(target, fitted_draft, prompt, max_new_tokens=30), _plain(target, prompt, max_new_tokens=30))
+    expected = _plain(target, prompt, max_new_tokens=30)
+    assert torch.equal(_eagle(target, fitted_draft, prompt, max_new_tokens=30), expected)
 
 
 def test_tree_emits_more_tokens_per_target_forward_than_a_chain_of_the_same_depth(llama_target, fitted_draft):
@@ -228,7 +229,9 @@ def test_static_cache_is_lossless(llama_target, fitted_draft, shape):
         assert isinstance(out.cache, StaticCache) and int(out.cache.get_seq_length()) == expected.shape[1] - 1
 
 
-def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refused_when_filled(llama_target, fitted_draft):
+def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refused_when_filled(
+    llama_target, fitted_draft
+):
     prompt, kwargs = PROMPTS[1], dict(max_new_tokens=20) | TREE
     short = StaticCache(config=llama_target.config, max_cache_len=prompt.shape[1] + 20)  # no room for the last tree
     assert torch.equal(_eagle(llama_target, fitted_draft, prompt, cache=short, **kwargs),

@@ -106,7 +106,8 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
         for folder in ({str(saved_draft)!r}, {str(shipped)!r}):
             draft = AutoModel.from_pretrained(folder, trust_remote_code=True)
             state = draft.state_dict()
-            assert all(torch.equal(state[name], tensor) for name, tensor in load_file(folder + "/model.safetensors").items())
+            saved = load_file(folder + "/model.safetensors")
+            assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
             print(type(draft).__module__.split(".")[0], type(draft).__name__, draft.dtype)
         """,
         cwd=tmp_path,

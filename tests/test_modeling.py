@@ -202,9 +202,8 @@ def test_compatible_draft_passes_the_check():
     ],
 )
 def test_each_incompatibility_is_named(draft_fields, message):
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=LAYERS
-    )
+    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                  target_num_hidden_layers=LAYERS)
     with pytest.raises(ValueError, match=message):
         check_compatibility(Eagle3Config(**(fields | draft_fields)), tiny_target())
 

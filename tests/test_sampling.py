@@ -92,8 +92,8 @@ def test_plain_sampling_matches_the_exact_distribution(target):
     assert _chi_square_p_value(_sample_counts(target, settings), _exact_joint(target, settings)) > 1e-3
 
 
-@pytest.mark.parametrize("shape", [dict(tree_top_k=3, tree_depth=3, tree_total_tokens=8), dict(tree_top_k=1, tree_depth=3)],
-                         ids=["tree", "chain"])
+@pytest.mark.parametrize("shape", [dict(tree_top_k=3, tree_depth=3, tree_total_tokens=8),
+                                   dict(tree_top_k=1, tree_depth=3)], ids=["tree", "chain"])
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_eagle3_sampling_matches_the_exact_distribution(target, draft, name, shape):
     torch.manual_seed(1)

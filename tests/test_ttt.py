@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import HIDDEN, VOCAB, tiny_draft
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -24,9 +24,9 @@ DEFAULT_PROMPTS = (
 )
 
 
-def _seconds(function) -> tuple[float, torch.Tensor]:
+def _seconds(function, *args) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
-    output = function()
+    output = function(*args)
     return time.perf_counter() - start, output
 
 
@@ -51,26 +51,26 @@ def run_demo(
 
     chosen = max(dtypes, key=lambda name: predicted_tokens_per_second(choices[name]))
     eagle_target, draft = models[chosen]
+    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False}
+
+    def plain(name, input_ids):
+        return models[name][0].generate(input_ids, **kwargs)
+
+    def eagle(input_ids):
+        return eagle_target.generate(input_ids, **kwargs, assistant_model=draft, exact_attention=exact_attention)
+
     runs = []
     for prompt in prompts:
         input_ids = chat_input_ids(tokenizer, prompt)
-        kwargs = {"max_new_tokens": max_new_tokens, "do_sample": False}
-
-        def plain(name):
-            return models[name][0].generate(input_ids, **kwargs)
-
-        def eagle():
-            return eagle_target.generate(input_ids, **kwargs, assistant_model=draft, exact_attention=exact_attention)
-
         for name in dtypes:  # warm-up: every kernel shape of every method
-            plain(name)
-        eagle()
+            plain(name, input_ids)
+        eagle(input_ids)
         plain_seconds, plain_outputs, eagle_seconds, taus = {name: [] for name in dtypes}, {}, [], []
         for _ in range(repetitions):  # interleaved, so that machine noise hits every method alike
             for name in dtypes:
-                seconds, plain_outputs[name] = _seconds(lambda: plain(name))
+                seconds, plain_outputs[name] = _seconds(plain, name, input_ids)
                 plain_seconds[name].append(seconds)
-            seconds, eagle_output = _seconds(eagle)
+            seconds, eagle_output = _seconds(eagle, input_ids)
             eagle_seconds.append(seconds)
             taus.append(draft.generation_stats.mean_acceptance_length if draft.generation_stats.settings else 1.0)
         new_tokens = eagle_output.shape[1] - input_ids.shape[1]

@@ -239,8 +239,9 @@ def measure_costs(
     plain = _generate_seconds(target, prompt, 1 + new_tokens, 3)
     typical = sorted(shapes, key=lambda shape: shape.total_tokens)[len(shapes) // 2]
     stats = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, do_sample=False, assistant_model=draft, tree_depth=typical.depth, tree_top_k=typical.top_k,
-                            tree_total_tokens=typical.total_tokens, return_dict_in_generate=True).eagle3_stats
+                            min_new_tokens=new_tokens, do_sample=False, assistant_model=draft, tree_depth=typical.depth,
+                            tree_top_k=typical.top_k, tree_total_tokens=typical.total_tokens,
+                            return_dict_in_generate=True).eagle3_stats
     return MachineCosts(
         machine=machine_description(target.device),
         plain_step=max(plain - prefill, 1e-9) / new_tokens,
