@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..utils.cache import cache_dir
 from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
+from .compatibility import SPECIAL_TOKENS
 from .drafter import Eagle3Drafter, TreeSettings
 from .tree import tree_attention_mask
 
@@ -263,7 +264,8 @@ def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1) -> dic
         "dtype": str(target.dtype),
         "attention": target.config._attn_implementation,
         "target": model_fingerprint(target),
-        "draft": digest(draft.config.to_dict()),
+        # less the target's special-token ids, which the draft's first `generate` records in its config
+        "draft": digest({name: value for name, value in draft.config.to_dict().items() if name not in SPECIAL_TOKENS}),
         "draft_weights": tensor_digest(draft.fc.weight),
         "draft_dtype": str(draft.fc.weight.dtype),
         "batch_size": batch_size,
