@@ -82,7 +82,7 @@ def test_prepare_data_limit_says_what_it_does(capsys):
 @pytest.fixture
 def llama_folder(tmp_path):
     """A tiny Llama model with a tokenizer, saved as a user's local target folder."""
-    from conftest import VOCAB, tiny_target
+    from helpers import VOCAB, tiny_target
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 

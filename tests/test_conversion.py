@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_draft
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file, save_file
 from torch import nn

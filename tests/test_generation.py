@@ -1,11 +1,9 @@
 """EAGLE-3 through `target.generate(assistant_model=draft)` on tiny random targets: lossless greedy decoding,
 `generate`'s behaviour (stopping, streaming, outputs, PEFT), statistics and clear errors."""
 
-import copy
-
 import pytest
 import torch
-from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
+from helpers import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, sliding_target, tiny_draft, tiny_target
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
@@ -266,10 +264,9 @@ def test_static_cache_with_a_batch_raises(llama_target):
                cache_implementation="static", **TREE)
 
 
-@pytest.fixture(scope="module", params=sorted(SLIDING_TARGETS))
+@pytest.fixture(params=sorted(SLIDING_TARGETS))
 def sliding_target_and_draft(request):
-    torch.manual_seed(0)
-    target = SLIDING_TARGETS[request.param]().eval()
+    target = sliding_target(request.param)
     return target, fit_draft(tiny_draft(draft_vocab_size=VOCAB), target)
 
 
@@ -457,18 +454,15 @@ def test_context_ngram_candidates_raise_acceptance_on_repetitive_text(llama_targ
 
 
 def test_the_config_switches_context_ngram_candidates_and_a_call_overrides_it(llama_target, fitted_draft):
-    default, fitted_draft.config.ngram_candidates = fitted_draft.config.ngram_candidates, True
-    try:
-        _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, **TREE)
-        assert fitted_draft.generation_stats.continuation_tokens > 0
-        _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, ngram_candidates=False, **TREE)
-        assert fitted_draft.generation_stats.continuation_tokens == 0
-    finally:
-        fitted_draft.config.ngram_candidates = default  # the session's shared draft, as the next tests expect it
+    fitted_draft.config.ngram_candidates = True
+    _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, **TREE)
+    assert fitted_draft.generation_stats.continuation_tokens > 0
+    _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, ngram_candidates=False, **TREE)
+    assert fitted_draft.generation_stats.continuation_tokens == 0
 
 
 def test_float64_target_and_draft_decode_as_plain_greedy(llama_target, fitted_draft):
-    target, draft = copy.deepcopy(llama_target).double(), copy.deepcopy(fitted_draft).double()
+    target, draft = llama_target.double(), fitted_draft.double()
     for shape in (TREE, CHAIN):
         expected = target.generate(PROMPTS[1], max_new_tokens=20, do_sample=False)
         assert torch.equal(_eagle(target, draft, PROMPTS[1], max_new_tokens=20, tree_shape="fixed", **shape), expected)

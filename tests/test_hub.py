@@ -13,7 +13,7 @@ from unittest import mock
 import huggingface_hub
 import pytest
 import torch
-from conftest import tiny_draft
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, convert
 from huggingface_hub import CommitInfo, HfApi, ModelCard
 from safetensors.torch import load_file, save_file

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
+from helpers import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel
@@ -28,9 +28,7 @@ def test_config_defaults_follow_the_official_conventions():
 
 
 def test_casting_the_draft_leaves_the_targets_embedding_alone(llama_target, fitted_draft):
-    import copy
-
-    target, draft = copy.deepcopy(llama_target), copy.deepcopy(fitted_draft)
+    target, draft = llama_target, fitted_draft
     prompt = torch.tensor([[5, 17, 33, 2, 61]])
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
     target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=draft)  # attaches the embedding

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_target
+from helpers import VOCAB, tiny_target
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_target
+from helpers import tiny_target
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_eagle3.decoding.exact_attention import ATTENTION_NAME, TreeKeyLayout, exact_tree_attention
