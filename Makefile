@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test interop
+.PHONY: demo lint test interop
 
 $(BIN)/hf-eagle3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,10 @@ $(BIN)/hf-eagle3: pyproject.toml
 demo: $(BIN)/hf-eagle3
 	$(BIN)/hf-eagle3 demo
 
-test: $(BIN)/hf-eagle3
+lint: $(BIN)/hf-eagle3
+	$(BIN)/ruff check hf_eagle3 conversion model_cards tests
+
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # hf-eagle3 against the published speculators and SpecForge (docs/interop.md); builds .interop-venv from the registry

@@ -155,8 +155,8 @@ def target_layer_ids(config: dict[str, Any]) -> list[int] | None:
             "The config lists eagle_aux_hidden_state_layer_ids twice: top-level "
             f"{config['eagle_aux_hidden_state_layer_ids']} (hidden_states indices, as vLLM reads it) and in "
             f"eagle_config {config['eagle_config']['eagle_aux_hidden_state_layer_ids']} (outputs of layers, "
-            f"hidden_states {nested}, as SGLang reads it). They disagree, so which layers the draft was trained on is unknown: remove the one "
-            "that is wrong."
+            f"hidden_states {nested}, as SGLang reads it). They disagree, so which layers the draft was trained on is "
+            "unknown: remove the one that is wrong."
         )
     return top_level or nested
 

@@ -8,7 +8,8 @@ under vLLM's architecture name `Eagle3LlamaForCausalLM`, without layer ids. EAGL
 `fc_norm.{0,1,2}`) and `norm_output`, read in SpecForge's current meaning (the state fed back is taken after the final
 norm; SpecForge 0.2.0 meant "final norm before lm_head"), which the export never writes: its absence is plain EAGLE-3
 in both; `norm_before_residual` / `norm_before_fc` are read as vLLM reads them in this format (SGLang ignores them).
-Only one decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`, silently skips unknown weights and always replaces the draft's embedding with the target's, so the export writes
+Only one decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLang ignores `t2d`, silently skips
+unknown weights and always replaces the draft's embedding with the target's, so the export writes
 exactly the weights SGLang uses and refuses a draft with an embedding of its own. What SGLang has no key for (the
 target's id and layer count, the draft tree settings) is kept under `hf_eagle3`, which SGLang ignores.
 """

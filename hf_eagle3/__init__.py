@@ -29,7 +29,8 @@ AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
 # Saved drafts carry `auto_map` and this modeling code, so they also load where hf_eagle3 is not installed.
 Eagle3Config.register_for_auto_class()
 Eagle3DraftModel.register_for_auto_class("AutoModel")
-# Foreign checkpoint formats for `from_pretrained`, and model cards for `push_to_hub` (the remote-code copy has neither).
+# Foreign checkpoint formats for `from_pretrained`, and model cards for `push_to_hub` (the remote-code copy has
+# neither).
 Eagle3DraftModel.register_checkpoint_reader(read_foreign)
 Eagle3DraftModel.register_pusher(push_draft)
 install()

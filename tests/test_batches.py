@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
-from test_sampling import SAMPLES, SETTINGS, _chi_square_p_value, _exact_joint, draft, target  # noqa: F401  (fixtures)
-from test_sampling import VOCAB as SAMPLING_VOCAB
+from helpers import (
+    SAMPLES,
+    SAMPLING_VOCAB,
+    SETTINGS,
+    SLIDING_TARGETS,
+    TARGET_FAMILIES,
+    VOCAB,
+    chi_square_p_value,
+    exact_joint,
+    fit_draft,
+    sliding_target,
+    tiny_draft,
+    tiny_target,
+)
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
@@ -42,7 +53,7 @@ def _eagle(target, draft, batch, **kwargs):
     return target.generate(**batch, do_sample=False, pad_token_id=PAD, assistant_model=draft, **kwargs)
 
 
-@pytest.fixture(scope="module", params=sorted(TARGET_FAMILIES))
+@pytest.fixture(params=sorted(TARGET_FAMILIES))
 def family_target_and_draft(request):
     target = tiny_target(request.param)
     return request.param, target, fit_draft(tiny_draft(draft_vocab_size=VOCAB), target)
@@ -76,9 +87,8 @@ def test_a_random_draft_is_lossless_on_batches_of_every_family():
 @pytest.mark.parametrize("family", sorted(SLIDING_TARGETS))
 def test_sliding_window_targets_are_lossless_on_batches(family):
     # a window of 5 over rows whose cache entries are interleaved with hidden ones: the window counts positions
-    target = SLIDING_TARGETS[family]().eval()
-    target.config._attn_implementation = "sdpa"
-    draft = fit_draft(tiny_draft(draft_vocab_size=VOCAB), target, steps=100)
+    target = sliding_target(family)
+    draft = fit_draft(tiny_draft(draft_vocab_size=VOCAB), target)
     batch = left_padded(LENGTHS[:4], seed=6)
     expected = _plain(target, batch, max_new_tokens=24)
     out = _eagle(target, draft, batch, max_new_tokens=24, return_dict_in_generate=True, **TREE)
@@ -140,10 +150,10 @@ def test_logits_processors_and_context_candidates_on_batches(llama_target, fitte
     assert torch.equal(out.sequences, expected)
 
 
-@pytest.mark.parametrize("shape", [dict(tree_depth=3, tree_top_k=3, tree_total_tokens=8), dict(tree_depth=3, tree_top_k=1)],
-                         ids=["tree", "sampled-chain"])
-def test_sampling_keeps_every_rows_exact_distribution(target, draft, shape):
-    # test_sampling's peaked target and its draft, over test_sampling's vocabulary
+@pytest.mark.parametrize("shape", [dict(tree_depth=3, tree_top_k=3, tree_total_tokens=8),
+                                   dict(tree_depth=3, tree_top_k=1)], ids=["tree", "sampled-chain"])
+def test_sampling_keeps_every_rows_exact_distribution(sampling_target, sampling_draft, shape):
+    target, draft = sampling_target, sampling_draft
     prompts = [torch.tensor([5, 17, 3, 9]), torch.tensor([11, 2])]
     batch = dict(input_ids=torch.tensor([[5, 17, 3, 9], [PAD, PAD, 11, 2]]),
                  attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
@@ -158,7 +168,7 @@ def test_sampling_keeps_every_rows_exact_distribution(target, draft, shape):
             counts[(row, *out[row, 4:].tolist())] += 1
         accepted += sum(length - 1 for length in draft.generation_stats.acceptance_lengths)
     for row, prompt in enumerate(prompts):
-        assert _chi_square_p_value(counts[row], _exact_joint(target, settings, prompt[None])) > 1e-3, row
+        assert chi_square_p_value(counts[row], exact_joint(target, settings, prompt[None])) > 1e-3, row
     assert accepted > 0  # drafted tokens were accepted: the acceptance rule, not only the bonus token, was sampled
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fit_draft, tiny_draft
+from helpers import VOCAB, fit_draft, tiny_draft, tiny_target
 from huggingface_hub.errors import StrictDataclassClassValidationError
 from transformers import CompileConfig
 
@@ -42,17 +42,19 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def profile(llama_target, fitted_draft):
+def profile():
+    """The acceptance profile of `fitted_draft` on `llama_target` (measured once for the module)."""
+    target = tiny_target("llama")
+    draft = fit_draft(tiny_draft(draft_vocab_size=VOCAB), target)
     prompts = [torch.randint(1, 90, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    return acceptance_profile(llama_target, fitted_draft, prompts, top_ks=[1, 3], max_depth=3, max_total=8,
-                              max_new_tokens=16, progress=False)
+    return acceptance_profile(target, draft, prompts, top_ks=[1, 3], max_depth=3, max_total=8, max_new_tokens=16,
+                              progress=False)
 
 
 @pytest.fixture
 def auto_draft(fitted_draft, profile):
-    draft = copy.deepcopy(fitted_draft)
-    draft.config.acceptance_profile, draft.config.tree_shape = profile, "auto"
-    return draft
+    fitted_draft.config.acceptance_profile, fitted_draft.config.tree_shape = profile, "auto"
+    return fitted_draft
 
 
 class Measure:
@@ -245,7 +247,7 @@ FULL_DISK = """
 import resource, signal, sys
 sys.path.insert(0, {tests!r})
 import torch, test_calibration as t
-from conftest import fit_draft, tiny_draft, tiny_target
+from helpers import fit_draft, tiny_draft, tiny_target
 from hf_eagle3.decoding.calibration import calibrate
 target = tiny_target()
 draft = tiny_draft(draft_vocab_size=96)

@@ -8,7 +8,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from conftest import VOCAB, tiny_target
+from helpers import VOCAB, tiny_target
 
 PROMPT = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(9))
 EXACT_TREE = {"tree_depth": 4, "tree_top_k": 3, "tree_total_tokens": 12, "exact_attention": True}

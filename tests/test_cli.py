@@ -39,7 +39,8 @@ def test_every_option_says_what_it_does_and_shows_its_default(command):
             continue
         assert action.help, f"{command} {action.option_strings or action.dest} has no help text"
         if action.default not in (None, False) and not action.required:
-            assert "(default: " in formatter._expand_help(action), f"{command} {action.option_strings} hides its default"
+            hidden = f"{command} {action.option_strings} hides its default"
+            assert "(default: " in formatter._expand_help(action), hidden
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -81,7 +82,7 @@ def test_prepare_data_limit_says_what_it_does(capsys):
 @pytest.fixture
 def llama_folder(tmp_path):
     """A tiny Llama model with a tokenizer, saved as a user's local target folder."""
-    from conftest import VOCAB, tiny_target
+    from helpers import VOCAB, tiny_target
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 

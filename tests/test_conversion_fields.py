@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_draft
 from conversion_fixtures import (
     HIDDEN,
     LLAMA3_SCALING,
@@ -16,6 +15,7 @@ from conversion_fixtures import (
     sglang_fixture,
     speculators_fixture,
 )
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM

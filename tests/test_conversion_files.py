@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_draft
 from conversion_fixtures import (
     DRAFT_VOCAB,
     TARGET_LAYERS,
@@ -19,6 +18,7 @@ from conversion_fixtures import (
     sglang_sharded_fixture,
     write_json,
 )
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file, save_file
 
@@ -168,7 +168,8 @@ def test_damaged_weight_files_are_named_not_tracebacks(tmp_path, damage, message
 
 
 def hub_cache_snapshot(folder: Path, cache: Path) -> Path:
-    """`folder`'s files as the Hub cache stores a download: `snapshots/<revision>/<name>` links to `../../blobs/<sha>`."""
+    """`folder`'s files as the Hub cache stores a download: `snapshots/<revision>/<name>` links to
+    `../../blobs/<sha>`."""
     repo = cache / "models--org--draft"
     snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
     snapshot.mkdir(parents=True)
@@ -199,7 +200,8 @@ def test_a_sharded_foreign_checkpoint_in_the_hub_cache_converts_and_loads(tmp_pa
 
 def test_a_killed_conversions_staging_folder_is_removed_by_the_next_run(tmp_path):
     tiny_draft().save_pretrained(tmp_path / "hub")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True,
+                          text=True)
     abandoned = tmp_path / f".hf-eagle3-convert-{dead.stdout.strip()}-abc123"
     (abandoned / "out").mkdir(parents=True)
     running = tmp_path / f".hf-eagle3-convert-{os.getpid()}-def456"  # a conversion still running: kept

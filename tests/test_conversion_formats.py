@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft
 from conversion_fixtures import (
     FIXTURES,
     HIDDEN,
@@ -16,6 +15,7 @@ from conversion_fixtures import (
     reference_forward,
     saved_target,
 )
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file
 from torch import nn

@@ -4,18 +4,20 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft
 from conversion_fixtures import (
     HIDDEN,
     TARGET_LAYERS,
+    VOCAB,
     _rewrite,
     angelslim_vl_fixture,
     modelopt_target_head_fixture,
     sglang_fixture,
 )
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, TargetInfo, convert
 from safetensors.torch import load_file
 
+from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.resources.loading import load_draft
 
 
@@ -45,10 +47,28 @@ def test_layer_ids_that_disagree_between_engines_are_refused(tmp_path):
 
 
 def test_specforge_norm_output_false_is_plain_eagle3(tmp_path):
-    """SpecForge's `norm_output: false` (the default) feeds back the pre-norm state, as Eagle3DraftModel does."""
-    sglang_fixture(tmp_path)
-    _rewrite(tmp_path, lambda config: config.update(norm_output=False, fc_norm=False))
-    convert(tmp_path, tmp_path / "hub")
+    """SpecForge's `norm_output: false` (the default) feeds back the pre-norm state, as Eagle3DraftModel does: the
+    same draft as the checkpoint that leaves both fields out."""
+    plain, stated = tmp_path / "plain", tmp_path / "stated"
+    for folder in (plain, stated):
+        folder.mkdir()
+        fixture = sglang_fixture(folder)
+    _rewrite(stated, lambda config: config.update(norm_output=False, fc_norm=False))
+    checkpoints = [convert(folder, tmp_path / "hub" / folder.name)[0] for folder in (plain, stated)]
+
+    plain_config, stated_config = ({k: v for k, v in checkpoint.config.to_dict().items() if k != "converted_from"}
+                                   for checkpoint in checkpoints)
+    assert stated_config == plain_config and stated_config["norm_output"] is stated_config["fc_norm"] is False
+    generator = torch.Generator().manual_seed(4)
+    input_ids = torch.randint(VOCAB, (2, 7), generator=generator)
+    features = torch.randn(2, 7, 3 * fixture.target_hidden, generator=generator)
+    outputs = []
+    for folder in (plain, stated):
+        draft = Eagle3DraftModel.from_pretrained(tmp_path / "hub" / folder.name, dtype=torch.float32).eval()
+        with torch.no_grad():
+            outputs.append(draft(input_ids, features, use_cache=False))
+    assert torch.equal(outputs[1].logits, outputs[0].logits)
+    assert torch.equal(outputs[1].hidden_states, outputs[0].hidden_states)  # the state fed back
 
 
 @pytest.mark.parametrize("variant, setting", [

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft
 from conversion_fixtures import saved_target, speculators_fixture
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, convert
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM, Qwen3Config
@@ -54,11 +54,13 @@ def test_speculators_export_stores_the_target_embedding_its_loader_needs(tmp_pat
     weights = load_file(tmp_path / "speculators" / "model.safetensors")
     assert torch.equal(weights["embed_tokens.weight"], target.get_input_embeddings().weight)
     convert(tmp_path / "speculators", tmp_path / "back")  # read back sharing the target's embedding, as saved
-    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (tmp_path / "hub" / "model.safetensors").read_bytes()
+    back, saved = tmp_path / "back" / "model.safetensors", tmp_path / "hub" / "model.safetensors"
+    assert back.read_bytes() == saved.read_bytes()
 
 
 def test_speculators_export_of_a_shared_embedding_without_the_target_is_refused(tmp_path):
-    with pytest.raises(ConversionError, match=r"speculators \(0.9.0\) fills a missing embed_tokens.*--target-embedding"):
+    refusal = r"speculators \(0.9.0\) fills a missing embed_tokens.*--target-embedding"
+    with pytest.raises(ConversionError, match=refusal):
         _exported(tmp_path, target_embedding=False)
     assert not (tmp_path / "speculators").exists()
 

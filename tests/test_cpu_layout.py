@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 import torch
-from conftest import _TINY, tiny_draft
+from helpers import _TINY, tiny_draft
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_eagle3 import optimize, standard_layout

@@ -1,11 +1,9 @@
 """EAGLE-3 through `target.generate(assistant_model=draft)` on tiny random targets: lossless greedy decoding,
 `generate`'s behaviour (stopping, streaming, outputs, PEFT), statistics and clear errors."""
 
-import copy
-
 import pytest
 import torch
-from conftest import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, tiny_draft, tiny_target
+from helpers import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, sliding_target, tiny_draft, tiny_target
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
@@ -47,7 +45,8 @@ def test_greedy_equals_plain_decoding_with_a_draft_that_accepts(llama_target, fi
 def test_eager_attention_target_is_lossless(fitted_draft):
     target = tiny_target("llama", attn_implementation="eager")
     prompt = PROMPTS[1]
-    assert torch.equal(_eagle(target, fitted_draft, prompt, max_new_tokens=30), _plain(target, prompt, max_new_tokens=30))
+    expected = _plain(target, prompt, max_new_tokens=30)
+    assert torch.equal(_eagle(target, fitted_draft, prompt, max_new_tokens=30), expected)
 
 
 def test_tree_emits_more_tokens_per_target_forward_than_a_chain_of_the_same_depth(llama_target, fitted_draft):
@@ -228,7 +227,9 @@ def test_static_cache_is_lossless(llama_target, fitted_draft, shape):
         assert isinstance(out.cache, StaticCache) and int(out.cache.get_seq_length()) == expected.shape[1] - 1
 
 
-def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refused_when_filled(llama_target, fitted_draft):
+def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refused_when_filled(
+    llama_target, fitted_draft
+):
     prompt, kwargs = PROMPTS[1], dict(max_new_tokens=20) | TREE
     short = StaticCache(config=llama_target.config, max_cache_len=prompt.shape[1] + 20)  # no room for the last tree
     assert torch.equal(_eagle(llama_target, fitted_draft, prompt, cache=short, **kwargs),
@@ -263,10 +264,9 @@ def test_static_cache_with_a_batch_raises(llama_target):
                cache_implementation="static", **TREE)
 
 
-@pytest.fixture(scope="module", params=sorted(SLIDING_TARGETS))
+@pytest.fixture(params=sorted(SLIDING_TARGETS))
 def sliding_target_and_draft(request):
-    torch.manual_seed(0)
-    target = SLIDING_TARGETS[request.param]().eval()
+    target = sliding_target(request.param)
     return target, fit_draft(tiny_draft(draft_vocab_size=VOCAB), target)
 
 
@@ -454,18 +454,15 @@ def test_context_ngram_candidates_raise_acceptance_on_repetitive_text(llama_targ
 
 
 def test_the_config_switches_context_ngram_candidates_and_a_call_overrides_it(llama_target, fitted_draft):
-    default, fitted_draft.config.ngram_candidates = fitted_draft.config.ngram_candidates, True
-    try:
-        _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, **TREE)
-        assert fitted_draft.generation_stats.continuation_tokens > 0
-        _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, ngram_candidates=False, **TREE)
-        assert fitted_draft.generation_stats.continuation_tokens == 0
-    finally:
-        fitted_draft.config.ngram_candidates = default  # the session's shared draft, as the next tests expect it
+    fitted_draft.config.ngram_candidates = True
+    _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, **TREE)
+    assert fitted_draft.generation_stats.continuation_tokens > 0
+    _eagle(llama_target, fitted_draft, NGRAM_PROMPTS[1], max_new_tokens=30, ngram_candidates=False, **TREE)
+    assert fitted_draft.generation_stats.continuation_tokens == 0
 
 
 def test_float64_target_and_draft_decode_as_plain_greedy(llama_target, fitted_draft):
-    target, draft = copy.deepcopy(llama_target).double(), copy.deepcopy(fitted_draft).double()
+    target, draft = llama_target.double(), fitted_draft.double()
     for shape in (TREE, CHAIN):
         expected = target.generate(PROMPTS[1], max_new_tokens=20, do_sample=False)
         assert torch.equal(_eagle(target, draft, PROMPTS[1], max_new_tokens=20, tree_shape="fixed", **shape), expected)

@@ -13,7 +13,7 @@ from unittest import mock
 import huggingface_hub
 import pytest
 import torch
-from conftest import tiny_draft
+from helpers import tiny_draft
 from hf_eagle3.conversion import ConversionError, convert
 from huggingface_hub import CommitInfo, HfApi, ModelCard
 from safetensors.torch import load_file, save_file
@@ -106,7 +106,8 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
         for folder in ({str(saved_draft)!r}, {str(shipped)!r}):
             draft = AutoModel.from_pretrained(folder, trust_remote_code=True)
             state = draft.state_dict()
-            assert all(torch.equal(state[name], tensor) for name, tensor in load_file(folder + "/model.safetensors").items())
+            saved = load_file(folder + "/model.safetensors")
+            assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
             print(type(draft).__module__.split(".")[0], type(draft).__name__, draft.dtype)
         """,
         cwd=tmp_path,
@@ -401,7 +402,8 @@ def test_the_card_gives_serving_settings_from_the_drafts_tree_defaults(saved_dra
 def test_the_card_of_a_draft_sglang_cannot_serve_gives_the_speculators_export_for_vllm(tmp_path):
     tiny_draft(norm_before_residual=True, target_name_or_path="org/Llama-Tiny").save_pretrained(tmp_path)
     card = _card(tmp_path)
-    assert "hf-eagle3 convert org/eagle3-draft draft-vllm --to speculators --target-embedding org/Llama-Tiny" in card.text
+    command = "hf-eagle3 convert org/eagle3-draft draft-vllm --to speculators --target-embedding org/Llama-Tiny"
+    assert command in card.text
     assert "sglang.launch_server" not in card.text
 
 

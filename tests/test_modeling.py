@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
+from helpers import HIDDEN, LAYERS, VOCAB, tiny_draft, tiny_target
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
@@ -29,9 +29,7 @@ def test_config_defaults_follow_the_official_conventions():
 
 
 def test_casting_the_draft_leaves_the_targets_embedding_alone(llama_target, fitted_draft):
-    import copy
-
-    target, draft = copy.deepcopy(llama_target), copy.deepcopy(fitted_draft)
+    target, draft = llama_target, fitted_draft
     prompt = torch.tensor([[5, 17, 33, 2, 61]])
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
     target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=draft)  # attaches the embedding
@@ -203,9 +201,8 @@ def test_compatible_draft_passes_the_check():
     ],
 )
 def test_each_incompatibility_is_named(draft_fields, message):
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=LAYERS
-    )
+    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                  target_num_hidden_layers=LAYERS)
     with pytest.raises(ValueError, match=message):
         check_compatibility(Eagle3Config(**(fields | draft_fields)), tiny_target())
 
@@ -399,7 +396,7 @@ def _narrower_fc(folder):
      r"NaN or infinite values in fc\.weight"),
     (lambda folder: (folder / "config.json").write_text("[1, 2]"),
      r"The config.json of .* holds a JSON list, not an object of config fields", r"config.json holds a JSON list"),
-    (_narrower_fc, rf"wrong shape fc\.weight \(32, 95\) \(its config expects \(32, 96\)\)",
+    (_narrower_fc, r"wrong shape fc\.weight \(32, 95\) \(its config expects \(32, 96\)\)",
      r"fc\.weight \(32, 95\) \(expected \(32, 96\)\)"),
 ])
 def test_a_damaged_draft_folder_is_refused_naming_what_is_wrong(tmp_path, damage, message, convert_message):

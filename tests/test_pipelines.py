@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import VOCAB, fit_draft, tiny_draft, tiny_target
+from helpers import VOCAB, fit_draft, tiny_draft, tiny_target
 from hf_eagle3.conversion import convert
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, pipeline
@@ -23,7 +23,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def target():
     """A tiny Llama whose config names its special tokens, as real targets' configs do."""
     model = tiny_target("llama")
@@ -31,14 +31,13 @@ def target():
     return model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def draft(target) -> Eagle3DraftModel:
     return fit_draft(tiny_draft(draft_vocab_size=VOCAB), target)
 
 
 def test_text_generation_pipeline_runs_eagle3_with_the_draft_as_assistant_model(target, draft, tokenizer):
     expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(PROMPT, **GREEDY)
-    draft.generation_stats = None
     eagle = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=draft)
     assert eagle(PROMPT, **GREEDY) == expected
     assert draft.generation_stats.num_cycles > 0 and draft.generation_stats.mean_acceptance_length > 1
@@ -50,7 +49,6 @@ def test_text_generation_pipeline_runs_eagle3_with_the_draft_as_assistant_model(
 
 def test_a_draft_given_to_the_pipeline_as_a_path_is_loaded_in_the_targets_dtype(target, draft, tokenizer, tmp_path):
     draft.to(torch.bfloat16).save_pretrained(tmp_path)
-    draft.to(torch.float32)
     expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(PROMPT, **GREEDY)
     eagle = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path))
     loaded = eagle.assistant_model
@@ -68,7 +66,8 @@ def test_the_pipeline_refuses_a_draft_for_another_target_or_an_assistant_tokeniz
                  assistant_tokenizer=tokenizer)
 
 
-def test_a_draft_in_sglang_format_given_to_the_pipeline_as_a_path_equals_plain_greedy(target, draft, tokenizer, tmp_path):
+def test_a_draft_in_sglang_format_given_to_the_pipeline_as_a_path_equals_plain_greedy(target, draft, tokenizer,
+                                                                                       tmp_path):
     draft.save_pretrained(tmp_path / "hub")
     convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
     expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(PROMPT, **GREEDY)

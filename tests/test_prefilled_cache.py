@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import VOCAB
+from helpers import VOCAB
 from transformers import DynamicCache, StaticCache
 
 PROMPT = torch.randint(1, VOCAB, (1, 14), generator=torch.Generator().manual_seed(3))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_target
+from helpers import VOCAB, tiny_target
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
@@ -369,7 +369,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_keeps_the_run_resumable
     result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("hf-eagle3 train: error: Cannot write the step-2 checkpoint") and "free disk" in last_line
+    assert last_line.startswith("hf-eagle3 train: error: Cannot write the step-2 checkpoint")
+    assert "free disk" in last_line
     assert latest_checkpoint(tmp_path / "run") is None  # no half-written checkpoint passes for a complete one
 
 
@@ -415,10 +416,12 @@ args = build_parser().parse_args(sys.argv[2:])
 draft = args.run(args)
 state = PartialState()
 tensors = {name: tensor.contiguous() for name, tensor in trainable_state_dict(draft).items()}
-save_file(tensors, f"{sys.argv[1]}/rank-{state.process_index}.safetensors", metadata={"main": str(state.is_main_process)})
+save_file(tensors, f"{sys.argv[1]}/rank-{state.process_index}.safetensors",
+          metadata={"main": str(state.is_main_process)})
 """
 LAUNCH_SETTINGS = dict(draft_vocab_size=64, intermediate_size=64, ttt_steps=2, learning_rate=3e-3, warmup_steps=2,
-                       save_every=2, eval_every=2, log_every=1, eval_fraction=0.02, seed=1, threads=1, profile_prompts=0)
+                       save_every=2, eval_every=2, log_every=1, eval_fraction=0.02, seed=1, threads=1,
+                       profile_prompts=0)
 
 
 def accelerate_launch(launch_args, command, tmp_path, env=None):

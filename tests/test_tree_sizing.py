@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_draft
+from helpers import VOCAB, tiny_draft
 from safetensors import safe_open
 
 from hf_eagle3 import Eagle3DraftModel

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import HIDDEN, VOCAB, tiny_draft
+from helpers import HIDDEN, VOCAB, tiny_draft
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_eagle3.training.ttt import TrainingTimeTest, shift_left, ttt_attention

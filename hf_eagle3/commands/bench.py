@@ -387,7 +387,8 @@ def plot_summary(summary: dict, settings: dict | None = None):
                     xlabel="tokens a cycle emits (accepted drafted tokens + 1)")
         if drafted:
             handles, _ = lengths.get_legend_handles_labels()
-            ngram = Patch(facecolor="white", edgecolor="grey", hatch="//", label="longer than the tree: an n-gram branch")
+            ngram = Patch(facecolor="white", edgecolor="grey", hatch="//",
+                          label="longer than the tree: an n-gram branch")
             lengths.legend(handles=[*handles, ngram], fontsize=8, loc="upper right")
     figure.suptitle("hf-eagle3 bench" + (f": {settings_description(settings)}" if settings else ""), fontsize=10)
     figure.text(0.5, 0.005, FIGURE_CAPTION, ha="center", va="bottom", fontsize=8.5)
@@ -442,8 +443,8 @@ def _run(args: argparse.Namespace) -> None:
         require("`hf-eagle3 bench`", {"matplotlib": "bench", **prompt_set_packages(args.prompts)})
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
-        print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids, Path(args.output),
-                                       compare_layouts=args.cpu_layout))
+        print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids,
+                                       Path(args.output), compare_layouts=args.cpu_layout))
         print(f"wrote {args.output}/verification-cost.json, verification-cost.md")
         return
     if args.cpu_layout:

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         args.run(args)
-    except Exception as error:  # noqa: BLE001: one sentence for the user; --debug shows the traceback
+    except Exception as error:  # one sentence for the user; --debug shows the traceback
         raise SystemExit(f"hf-eagle3 {args.command}: error: {error}") from error
 
 

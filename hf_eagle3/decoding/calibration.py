@@ -21,7 +21,8 @@ only warms every shape up, so that a change of load hits every cost alike, and t
 plain `generate`'s own, the median time between its tokens (a clock in its stopping criteria). A measurement whose
 spread (interquartile range over median, `MachineCosts.spread`) exceeds `MAX_SPREAD` is taken again once; still
 noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so.
-Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's and switches to plain decoding when the shape loses.
+Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's and switches to plain
+decoding when the shape loses.
 
 The cache is an optimisation, never a point of failure: a record that cannot be read or is invalid is reported once,
 naming the file, and measured again; a cache that cannot be written (read-only, full, a file in the way) is reported

@@ -53,7 +53,8 @@ class TreeKeyLayout:
             raise ValueError("exact tree attention needs the tree's nodes ordered by depth, as build_tree orders them.")
         starts = [0, *itertools.accumulate(torch.bincount(tree.depths).tolist())]
         # A node's ancestors in increasing index order are its path from the root (parents precede children).
-        entries = [prefix_length + tree.ancestors[start:end].nonzero()[:, 1] for start, end in itertools.pairwise(starts)]
+        entries = [prefix_length + tree.ancestors[start:end].nonzero()[:, 1]
+                   for start, end in itertools.pairwise(starts)]
         return cls(prefix_length, starts, entries)
 
 

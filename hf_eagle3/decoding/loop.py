@@ -83,8 +83,9 @@ def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
     return _finish(run, rows, state.cache, generation_config, start_time)
 
 
-def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids: list[int], input_ids, logits_processor,
-           stopping_criteria, generation_config, streamer, record_greedy_cycles: bool, model_kwargs: dict) -> Run:
+def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids: list[int], input_ids,
+           logits_processor, stopping_criteria, generation_config, streamer, record_greedy_cycles: bool,
+           model_kwargs: dict) -> Run:
     batch_size = input_ids.shape[0]
     attention = TargetAttention(model, settings.exact_attention, model_kwargs.get("attention_mask"), batch_size)
     cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings.tree,
@@ -219,7 +220,8 @@ def _accept_tree(run: Run, row: Row, proposal: DraftProposal, logits: torch.Tens
 
 
 def compact(state: BatchState, acceptances: list[Acceptance]) -> BatchState:
-    """Each row keeps its accepted cache entries; rows that accepted fewer leave entries their mask hides from now on."""
+    """Each row keeps its accepted cache entries; rows that accepted fewer leave entries their mask hides from now
+    on."""
     paths = [accepted.path for accepted in acceptances]
     lengths = torch.tensor([path.numel() for path in paths], device=state.visible.device)
     longest = int(lengths.max())

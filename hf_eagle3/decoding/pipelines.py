@@ -5,8 +5,9 @@
 its config (transformers knows no EAGLE-3 class) and a tokenizer from the same folder (a draft has none: it shares
 the target's); then it compares the special-token ids of both configs to decide whether the assistant needs a
 tokenizer of its own. Importing hf_eagle3 wraps it: an EAGLE-3 draft, given as a model or as a path / Hub id (in
-any format `Eagle3DraftModel.from_pretrained` reads), is checked against the target and given the target's special-token ids, and a draft given by name is loaded in the
-target's dtype on its device, as the pipeline loads any assistant given by name. Other assistants are left to
+any format `Eagle3DraftModel.from_pretrained` reads), is checked against the target and given the target's
+special-token ids, and a draft given by name is loaded in the target's dtype on its device, as the pipeline loads
+any assistant given by name. Other assistants are left to
 transformers. The pipeline is where a draft is taken on as an assistant, so this is the one place hf_eagle3 writes to
 a draft's config (`generate` never does).
 

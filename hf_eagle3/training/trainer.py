@@ -3,7 +3,8 @@
 One optimizer step:
 
     batch of conversations (right padded)  ->  target forward, no grad  ->  features [l ; m ; h], logits
-    ->  TrainingTimeTest (S unrolled draft steps, see `hf_eagle3.training.ttt`)  ->  loss  ->  AdamW (0.9, 0.95), clip 0.5
+    ->  TrainingTimeTest (S unrolled draft steps, see `hf_eagle3.training.ttt`)  ->  loss
+    ->  AdamW (0.9, 0.95), clip 0.5
 
 Target features are computed online by default; `--precompute-features DIR` writes them to disk once (features and
 the target's final hidden state, bf16) and reads them back on every epoch.

@@ -113,10 +113,12 @@ def trained_draft(work: Path, target: LlamaForCausalLM) -> Path:
     """A draft trained for a few steps by `hf-eagle3 train` on the target's own greedy continuations."""
     prompts = torch.randint(1, TARGET["vocab_size"], (24, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        sequences = target.generate(prompts, max_new_tokens=18, do_sample=False, attention_mask=torch.ones_like(prompts))
+        sequences = target.generate(prompts, max_new_tokens=18, do_sample=False,
+                                    attention_mask=torch.ones_like(prompts))
     data = work / "data"
     data.mkdir()
-    records = [{"messages": [], "input_ids": sequence, "loss_mask": [0] * 6 + [1] * 18} for sequence in sequences.tolist()]
+    records = [{"messages": [], "input_ids": sequence, "loss_mask": [0] * 6 + [1] * 18}
+               for sequence in sequences.tolist()]
     (data / "shard-00000.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     run = work / "run"
     subprocess.run([str(Path(sys.executable).with_name("hf-eagle3")), "train", "--data", str(data), "--target",
