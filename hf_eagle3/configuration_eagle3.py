@@ -8,6 +8,10 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 from transformers.utils.type_validators import interval
 
+# Bounds of the decoding settings, checked before anything is sized from them: far beyond any tree that pays, well
+# within what one forward can hold
+MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_NGRAM_MATCH = 64, 512, 64
+
 
 @strict
 class Eagle3Config(PreTrainedConfig):
@@ -117,11 +121,13 @@ class Eagle3Config(PreTrainedConfig):
             draft's final norm, over the whole vocabulary (`draft_vocab_size == vocab_size`), attached at run time and
             never saved (ModelOpt's gpt-oss-120b drafts; SGLang's `load_lm_head_from_target`).
         tree_depth (`int`, *optional*, defaults to 6):
-            Default number of draft expansion steps per decoding cycle (the depth of the draft tree).
+            Default number of draft expansion steps per decoding cycle (the depth of the draft tree; at most
+            `MAX_TREE_DEPTH`).
         tree_top_k (`int`, *optional*, defaults to 8):
             Default number of children expanded per frontier node, and size of the frontier. `1` drafts a chain.
         tree_total_tokens (`int`, *optional*, defaults to 60):
-            Default number of drafted tokens (tree nodes besides the root) the target verifies per cycle.
+            Default number of drafted tokens (tree nodes besides the root) the target verifies per cycle (at most
+            `MAX_TREE_TOKENS`).
         tree_shape (`str`, *optional*, defaults to `"fixed"`):
             `"fixed"`: decode with `tree_depth`, `tree_top_k` and `tree_total_tokens`. `"auto"`: decode with the shape
             predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
@@ -134,9 +140,10 @@ class Eagle3Config(PreTrainedConfig):
             same `tree_total_tokens` budget. Lossless like the draft's candidates. `generate(ngram_candidates=...)`
             overrides it per call.
         ngram_max_match (`int`, *optional*, defaults to 3):
-            Longest suffix of the text matched for the context continuation.
+            Longest suffix of the text matched for the context continuation (at most `MAX_NGRAM_MATCH`).
         ngram_max_tokens (`int`, *optional*, defaults to 10):
-            Most tokens of one context continuation (transformers' `prompt_lookup_num_tokens`).
+            Most tokens of one context continuation (transformers' `prompt_lookup_num_tokens`; at most
+            `MAX_TREE_TOKENS`).
         acceptance_profile (`list[dict]`, *optional*):
             τ (tokens per target forward) of tree shapes for this draft and its target, one
             `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}` row per shape, estimated from greedy decoding of
@@ -198,13 +205,13 @@ class Eagle3Config(PreTrainedConfig):
     share_target_embedding: bool = True
     share_target_lm_head: bool = False
     # decoding settings, also validated when assigned after construction (`draft.config.tree_depth = 4`)
-    tree_depth: int = interval(min=1)(default=6)
+    tree_depth: int = interval(min=1, max=MAX_TREE_DEPTH)(default=6)
     tree_top_k: int = interval(min=1)(default=8)
-    tree_total_tokens: int = interval(min=1)(default=60)
+    tree_total_tokens: int = interval(min=1, max=MAX_TREE_TOKENS)(default=60)
     tree_shape: Literal["fixed", "auto"] = "fixed"
     ngram_candidates: bool = True
-    ngram_max_match: int = interval(min=1)(default=3)
-    ngram_max_tokens: int = interval(min=1)(default=10)
+    ngram_max_match: int = interval(min=1, max=MAX_NGRAM_MATCH)(default=3)
+    ngram_max_tokens: int = interval(min=1, max=MAX_TREE_TOKENS)(default=10)
     acceptance_profile: list[dict] | None = None
     converted_from: dict | None = None
     tie_word_embeddings: bool = False

@@ -357,8 +357,10 @@ def test_variant_weights_have_the_names_public_checkpoints_use():
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("ngram_max_match", -1, "greater or equal to 1, got -1"),
-    ("tree_depth", 0, "greater or equal to 1, got 0"),
+    ("ngram_max_match", -1, "greater or equal to 1 and smaller or equal to 64, got -1"),
+    ("ngram_max_match", 10**9, "smaller or equal to 64, got 1000000000"),  # sized a table of that many rows
+    ("tree_depth", 0, "greater or equal to 1 and smaller or equal to 64, got 0"),
+    ("tree_total_tokens", 40000, "smaller or equal to 512, got 40000"),
     ("tree_shape", "fastest", "expected one of \\('fixed', 'auto'\\)"),
     ("ngram_candidates", "no", "expected bool, got str"),
 ])
@@ -370,6 +372,13 @@ def test_decoding_settings_assigned_after_construction_are_validated_like_at_con
         tiny_draft(**{name: value})
     draft.config.tree_depth = 3  # a valid one is kept and saved
     assert Eagle3Config.from_dict(draft.config.to_dict()).tree_depth == 3
+
+
+def test_a_tree_past_what_one_cycle_verifies_is_refused_before_anything_is_sized(llama_target, fitted_draft):
+    prompt = torch.tensor([[5, 17, 33, 2, 61]])
+    with pytest.raises(ValueError, match="past what one cycle verifies .*512 tokens"):
+        llama_target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=fitted_draft, tree_depth=80,
+                              tree_top_k=8, tree_total_tokens=40000)
 
 
 def test_ngram_candidates_given_to_generate_as_a_string_is_refused_not_read_as_true(llama_target, fitted_draft):

@@ -50,6 +50,7 @@ import transformers
 from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging
 
+from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..utils.cache import cache_dir
 from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
@@ -66,7 +67,6 @@ CALIBRATION_ROUNDS = 5  # interleaved rounds of every measurement, after one tha
 MAX_SPREAD = 0.25  # the largest interquartile range / median of a cost that is trusted
 CALIBRATION_METHOD = 2  # in the key: records of an earlier way of measuring are measured again
 SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
-MAX_TREE_TOKENS, MAX_TREE_DEPTH = 512, 64  # profile rows beyond these are refused before anything is allocated
 MAX_RECORD_BYTES = 1 << 20
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # what decides a CPU's float32 / bfloat16 speed
 logger = logging.get_logger(__name__)

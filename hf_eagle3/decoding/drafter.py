@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..modeling_eagle3 import Eagle3DraftModel
 from .ngram import merge_continuation
 from .tree import DraftTree, build_tree, expand, select_frontier
@@ -23,6 +24,10 @@ class TreeSettings:
         for name in ("depth", "top_k", "total_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"tree_{name} must be a positive integer, got {getattr(self, name)!r}.")
+        if self.depth > MAX_TREE_DEPTH or self.total_tokens > MAX_TREE_TOKENS:
+            raise ValueError(f"A tree of depth {self.depth} and {self.total_tokens} tokens is past what one cycle "
+                             f"verifies (at most depth {MAX_TREE_DEPTH}, {MAX_TREE_TOKENS} tokens): use a smaller "
+                             "tree_depth / tree_total_tokens.")
         candidates = max_candidates(self.depth, self.top_k)
         if self.total_tokens > candidates:
             raise ValueError(
