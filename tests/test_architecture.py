@@ -21,7 +21,8 @@ LAYERS = [
     ("modeling", ["hf_eagle3.modeling_eagle3"]),
     ("conversion", ["hf_eagle3.conversion"]),
     ("decoding", ["hf_eagle3.decoding", "hf_eagle3.generation"]),
-    ("resources", ["hf_eagle3.resources"]),  # models and prompt sets by name: what training and commands load
+    # models and prompt sets by name, what training and commands load (`hf_eagle3.smollm2`: its earlier import path)
+    ("resources", ["hf_eagle3.resources", "hf_eagle3.smollm2"]),
     ("training", ["hf_eagle3.training"]),
     ("publishing", ["hf_eagle3.publishing", "hf_eagle3.model_cards"]),
     ("commands", ["hf_eagle3.commands"]),
