@@ -86,6 +86,7 @@ def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fit
 
     table = markdown_table(summary)
     assert table.count("\n") == 2 + 2 * 4 and "| set-a | tree:3x3x8 | 3x3x8 |" in table and "| 0 (0) |" in table
+    assert "| set-a | tree:3x3x8 | 3x3x8 | " in table and "x | - | - | " in table  # no prediction for a fixed tree
     save_plots(summary, tmp_path)
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 
@@ -105,6 +106,24 @@ def test_auto_method_reports_the_calibrated_choice_or_plain_decoding(llama_targe
     entry = result["summary"]["set-a"]["auto"]
     assert entry["shapes"] == ["plain"] and entry["tau"] == 1.0 and entry["greedy_mismatches"] == []
     assert "| set-a | auto | plain |" in markdown_table(result["summary"])
+    # what the calibration predicted, against what was measured: decoding plainly is predicted 1x
+    assert entry["predicted_speedup"] == 1.0 and entry["predicted_speedup_at_measured_tau"] == 1.0
+    assert entry["prediction_error"] == pytest.approx(1.0 / entry["speedup"] - 1)
+
+
+def test_plain_in_another_dtype_decodes_a_copy_of_the_target_and_leaves_the_target_as_it_was(llama_target,
+                                                                                              fitted_draft):
+    methods = methods_from_names(["plain", "plain:bfloat16", "tree:3x3x8"], 3, 3, 8)
+    assert methods[1].dtype == torch.bfloat16 and not methods[1].is_eagle3
+    prompts = {"set-a": [torch.randint(1, 90, (1, 7))]}
+    result = run_benchmark(llama_target, fitted_draft, prompts, methods, max_new_tokens=8, repetitions=1,
+                           progress=False)
+    assert llama_target.dtype == torch.float32
+    entry = result["summary"]["set-a"]["plain:bfloat16"]
+    assert entry["tokens_per_second"] > 0 and "tau" not in entry
+    assert result["summary"]["set-a"]["tree:3x3x8"]["greedy_mismatches"] == []  # float32 EAGLE-3: exact
+    with pytest.raises(ValueError, match="Unknown method 'plain:int8'"):
+        methods_from_names(["plain", "plain:int8"], 3, 3, 8)
 
 
 def test_first_divergence_measures_both_logit_gaps(llama_target):
@@ -203,8 +222,9 @@ def test_bench_defaults_to_comparing_auto_the_decoding_generate_uses():
 def test_bench_md_says_what_each_column_means_and_how_speedup_differs_from_tokens_per_second():
     report = bench_markdown(SUMMARY, "Test CPU", "float32", 2)
     assert report.startswith("Measured on Test CPU, float32, 2 torch threads.")
-    assert "| mt-bench | chain | 2x1x2 | 1.30x | 52.0 |" in report
-    for column in ("tree (DxKxN)", "speedup", "tokens/s", "τ", "n-α", "draft / verify / other ms per cycle",
+    assert "| mt-bench | chain | 2x1x2 | 1.30x | - | - | 52.0 |" in report
+    for column in ("tree (DxKxN)", "speedup", "predicted (error)", "at measured τ", "tokens/s", "τ", "n-α",
+                   "draft / verify / other ms per cycle",
                    "greedy mismatches (near-ties)"):
         assert f"- **{column}**: " in report
     assert "median over the set's prompts of plain time / method time" in report

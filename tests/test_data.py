@@ -84,6 +84,35 @@ def test_truncated_sharegpt_json_recovers_every_complete_record(tmp_path):
     assert skipped == {"truncated record at end of file": 1}
 
 
+def test_a_record_range_keeps_the_records_at_those_file_positions_counting_unusable_ones(tmp_path):
+    array = tmp_path / "sharegpt.json"
+    text = json.dumps([sharegpt_record("a", "1"), "not a conversation", sharegpt_record("b", "2"),
+                       sharegpt_record("c", "3")])
+    array.write_text(text[:-1] + ', {"id": "cut')
+    lines = tmp_path / "chat.jsonl"
+    lines.write_text("\n".join([json.dumps(conversation("a", "1")), "", "{not json",
+                                 json.dumps(conversation("b", "2")), json.dumps(conversation("c", "3"))]))
+    for path in (array, lines):
+        skipped = SkipCounts()
+        assert list(read_conversations(path, skipped, range(2, 3))) == [conversation("b", "2")]
+        assert skipped == {}  # what lies outside the range is neither read nor counted
+        assert list(read_conversations(path, SkipCounts(), range(0, 2))) == [conversation("a", "1")]
+        assert list(read_conversations(path, SkipCounts(), range(3, 10))) == [conversation("c", "3")]
+
+
+def test_prepare_data_records_the_record_range_it_read(tmp_path, target_dir, capsys):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(conversation(f"q{i}", f"answer {i}")) for i in range(6)))
+    main(["prepare-data", "--input", str(path), "--output", str(tmp_path / "data"), "--target", str(target_dir),
+          "--records", "1:4"])
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["settings"]["records"] == [1, 4] and manifest["conversations"] == 3
+    with pytest.raises(SystemExit):
+        main(["prepare-data", "--input", str(path), "--output", str(tmp_path / "other"), "--target", str(target_dir),
+              "--records", "4:1"])
+    assert "START < STOP" in capsys.readouterr().err
+
+
 def test_malformed_records_are_skipped_with_a_count(tmp_path):
     lines = [
         json.dumps({"messages": conversation("fine", "ok")}),

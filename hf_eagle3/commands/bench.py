@@ -19,11 +19,17 @@ the two tokens by at most `NEAR_TIE_LOGITS[dtype]`; any other mismatch is an err
 verify with `exact_attention=True` (each node attends exactly as plain decoding would), which removes the difference
 where the rest of the layer is row-invariant, as on CPU.
 
+`plain:DTYPE` decodes plainly with a copy of the target in another dtype (what a user who never changed the dtype
+gets), and every `auto` method records what the calibration predicted for it next to what it measured: the
+predicted speedup (from the acceptance profile's τ) and the speedup the cost model gives at the τ measured on the
+set, which separates an error of the machine costs from a set whose τ differs from the profile's.
+
 `--cpu-layout` runs every method with the models' linear weights column-major (`hf_eagle3.optimize`); with
 `--verification-cost` it measures the forwards in both layouts instead, interleaved, and tables them side by side.
 """
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -33,7 +39,7 @@ from pathlib import Path
 import torch
 from transformers import CompileConfig
 
-from ..decoding.calibration import machine_description, verification_cost
+from ..decoding.calibration import TreeChoice, choose_tree, machine_description, verification_cost
 from ..decoding.cpu_layout import optimize, standard_layout, weight_layout
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
@@ -42,6 +48,8 @@ from ..utils.extras import require
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
+
+PLAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Static-cache room past the longest prompt and its answer, for EAGLE-3's last tree (any profiled one)
 TREE_ROOM = 64
@@ -64,16 +72,22 @@ class Method:
 
     name: str
     generate_kwargs: dict
+    dtype: torch.dtype | None = None  # plain decoding with a copy of the target in this dtype (`plain:DTYPE`)
 
     @property
     def is_eagle3(self) -> bool:
         return "tree_top_k" in self.generate_kwargs or "tree_shape" in self.generate_kwargs
 
+    @property
+    def is_auto(self) -> bool:
+        return self.generate_kwargs.get("tree_shape") == "auto"
+
 
 def methods_from_names(
     names: list[str], depth: int, top_k: int, total_tokens: int, max_cache_len: int | None = None
 ) -> list[Method]:
-    """`plain`, `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
+    """`plain`, `plain:DTYPE` (plain decoding with the target in `DTYPE`: float32, bfloat16 or float16),
+    `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
     (the fixed shape `depth` x `top_k` x `total_tokens`), `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or
     `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays);
     `compiled` methods size their static cache to `max_cache_len` tokens. An
@@ -91,6 +105,8 @@ def methods_from_names(
                 eagle3_name, ngram = eagle3_name.removesuffix(suffix), {"ngram_candidates": enabled}
         if name == "plain":
             methods.append(Method(name, {}))
+        elif name.startswith("plain:") and name[6:] in PLAIN_DTYPES:
+            methods.append(Method(name, {}, dtype=PLAIN_DTYPES[name[6:]]))
         elif name == "prompt-lookup":
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
         elif name == "compiled":
@@ -108,7 +124,8 @@ def methods_from_names(
             methods.append(Method(name, shape | {"exact_attention": exact} | ngram | static))
         else:
             raise ValueError(
-                f"Unknown method {name!r}: use plain, prompt-lookup, compiled, chain, tree, tree:DxKxN or auto "
+                f"Unknown method {name!r}: use plain, plain:float32 / plain:bfloat16 / plain:float16, prompt-lookup, "
+                "compiled, chain, tree, tree:DxKxN or auto "
                 "(EAGLE-3 methods may end in +ngram or -ngram, then +exact or +compiled)."
             )
     if methods[0].name != "plain":
@@ -170,16 +187,25 @@ def run_benchmark(
     if greedy:  # every method keeps its scores alike, so a mismatch is diagnosed without a rerun
         base_kwargs.update(return_dict_in_generate=True, output_scores=True)
 
+    # plain:DTYPE decodes with its own copy of the target (dtype and weights' layout as the target's otherwise)
+    models = {None: target} | {method.dtype: copy.deepcopy(target).to(method.dtype) for method in methods
+                               if method.dtype is not None and method.dtype != target.dtype}
+
     def decode(method: Method, input_ids: torch.Tensor):
         assistant = {"assistant_model": draft} if method.is_eagle3 else {}
+        model = models.get(method.dtype, target)
         start = time.perf_counter()
-        output = target.generate(input_ids, **base_kwargs, **method.generate_kwargs, **assistant)
+        output = model.generate(input_ids, **base_kwargs, **method.generate_kwargs, **assistant)
         seconds = time.perf_counter() - start
         return seconds, output, draft.generation_stats if method.is_eagle3 else None
 
     for prompts in prompt_sets.values():  # warm-up: every method, every set
         for method in methods:
             decode(method, prompts[0])
+    # what the calibration (measured in the warm-up, cached) predicts for each `auto` method
+    choices = {method.name: choose_tree(target, draft, method.generate_kwargs.get("ngram_candidates"), 1,
+                                        method.generate_kwargs.get("compile_config"))
+               for method in methods if method.is_auto}
 
     records = []
     bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), disable=not progress, desc="bench")
@@ -226,11 +252,31 @@ def run_benchmark(
                         file.write(json.dumps(record) + "\n")
             bar.update()
     bar.close()
-    return summarise(records, methods, greedy)
+    return summarise(records, methods, greedy, choices)
 
 
-def summarise(records: list[dict], methods: list[Method], greedy: bool) -> dict:
-    """Per set and method: median speedup, tokens/s, τ, n-α, time split, greedy mismatches."""
+def prediction_entry(choice: TreeChoice, measured_speedup: float, measured_tau: float) -> dict:
+    """What the calibration predicted for an `auto` method, against what it measured on a set: the predicted speedup
+    (the acceptance profile's τ over the predicted cycle time), the speedup the same cycle time gives at the measured
+    τ, and the error of each relative to the measured speedup."""
+    prediction = choice.prediction
+    at_measured_tau = (measured_tau * choice.costs.plain_step / prediction.cycle_seconds
+                       if prediction is not None else 1.0)
+    return {
+        "predicted_speedup": choice.predicted_speedup,
+        "predicted_tau": prediction.tau if prediction is not None else 1.0,
+        "predicted_cycle_ms": 1000 * prediction.cycle_seconds if prediction is not None else None,
+        "predicted_speedup_at_measured_tau": at_measured_tau,
+        "prediction_error": choice.predicted_speedup / measured_speedup - 1,
+        "cost_model_error": at_measured_tau / measured_speedup - 1,
+    }
+
+
+def summarise(records: list[dict], methods: list[Method], greedy: bool,
+              choices: dict[str, TreeChoice] | None = None) -> dict:
+    """Per set and method: median speedup, tokens/s, τ, n-α, time split, greedy mismatches; for `auto` methods whose
+    calibration is in `choices`, its prediction (`prediction_entry`)."""
+    choices = choices or {}
     summary = {}
     for set_name in dict.fromkeys(record["set"] for record in records):
         plain_seconds = {r["prompt"]: r["seconds"] for r in records if r["set"] == set_name and r["method"] == "plain"}
@@ -247,12 +293,15 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool) -> dict:
                 lengths = [length for r in rows for length in r["acceptance_lengths"]]
                 cycles = len(lengths)
                 entry["shapes"] = sorted({r["shape"] for r in rows})
-                if not cycles:  # tree_shape="auto" decoded plainly: one token per target forward
-                    entry.update(tau=1.0, n_alpha=[], accepted_length_histogram={})
+                # tree_shape="auto" decoded plainly: one token per target forward
+                entry["tau"] = sum(lengths) / cycles if cycles else 1.0
+                if method.name in choices:
+                    entry.update(prediction_entry(choices[method.name], entry["speedup"], entry["tau"]))
+                if not cycles:
+                    entry.update(n_alpha=[], accepted_length_histogram={})
                     summary.setdefault(set_name, {})[method.name] = entry
                     continue
                 entry.update(
-                    tau=sum(lengths) / cycles,
                     n_alpha=acceptance_by_position(lengths, rows[0]["depth"]),
                     accepted_length_histogram={n: lengths.count(n) for n in sorted(set(lengths))},
                     cycle_ms={part: 1000 * sum(r[f"{part}_seconds"] for r in rows) / cycles
@@ -267,6 +316,10 @@ TABLE_LEGEND = """\
 - **tree (DxKxN)**: the tree shape decoded with, depth x top-k x drafted tokens (`auto`: the shape calibrated for this
   machine, or `plain` where no tree pays; a chain is top-k 1).
 - **speedup**: the median over the set's prompts of plain time / method time on the same prompt.
+- **predicted (error)**: for `auto`, the speedup the calibration predicted (the acceptance profile's τ over the
+  predicted cycle time), and how far it is from the measured speedup.
+- **at measured τ**: the speedup the predicted cycle time gives at the τ measured on the set: its error is the cost
+  model's alone, the rest of the error above is the set's τ differing from the profile's.
 - **tokens/s**: all new tokens of the set / all its seconds, so long answers weigh more; the ratio of two methods'
   tokens/s can therefore differ from their speedup, which weighs every prompt alike.
 - **τ**: tokens per target forward (accepted drafted tokens + 1), over all cycles.
@@ -286,9 +339,9 @@ def bench_markdown(summary: dict, machine: str, dtype: str, threads: int) -> str
 
 def markdown_table(summary: dict) -> str:
     lines = [
-        ("| set | method | tree (DxKxN) | speedup | tokens/s | τ | 0-α | 1-α | 2-α | draft / verify / other ms per "
-         "cycle | greedy mismatches (near-ties) |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        ("| set | method | tree (DxKxN) | speedup | predicted (error) | at measured τ (error) | tokens/s | τ | 0-α | "
+         "1-α | 2-α | draft / verify / other ms per cycle | greedy mismatches (near-ties) |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, methods in summary.items():
         for name, entry in methods.items():
@@ -296,7 +349,10 @@ def markdown_table(summary: dict) -> str:
             split = entry.get("cycle_ms")
             lines.append(
                 f"| {set_name} | {name} | {', '.join(entry.get('shapes', [])) or '-'} | {entry['speedup']:.2f}x | "
-                f"{entry['tokens_per_second']:.1f} | "
+                + (f"{entry['predicted_speedup']:.2f}x ({100 * entry['prediction_error']:+.0f} %) | "
+                   f"{entry['predicted_speedup_at_measured_tau']:.2f}x ({100 * entry['cost_model_error']:+.0f} %) | "
+                   if "predicted_speedup" in entry else "- | - | ")
+                + f"{entry['tokens_per_second']:.1f} | "
                 + (f"{entry['tau']:.2f}" if "tau" in entry else "-")
                 + "".join(f" | {a:.2f}" if a is not None else " | -" for a in alphas[:3])
                 + (f" | {split['draft']:.1f} / {split['verify']:.1f} / {split['other']:.1f}" if split else " | -")
@@ -486,7 +542,8 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--prompts", nargs="+", default=["mt-bench", "humaneval"],
                         help=f"prompt sets: {', '.join(PROMPT_SETS)} or a JSONL file")
     parser.add_argument("--methods", nargs="+", default=["plain", "prompt-lookup", "chain", "tree", "auto"],
-                        help="plain (first), prompt-lookup, compiled (static cache + torch.compile), chain, tree (the "
+                        help="plain (first), plain:float32 / plain:bfloat16 (plain decoding with the target in that "
+                             "dtype), prompt-lookup, compiled (static cache + torch.compile), chain, tree (the "
                              "draft's fixed defaults), tree:DEPTHxTOPKxTOTAL, auto (the shape calibrated for this "
                              "machine); EAGLE-3 methods may end in +ngram / -ngram (context n-gram candidates in the "
                              "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "

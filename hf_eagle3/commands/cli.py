@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "hf_eagle3.conversion.cli",
     "hf_eagle3.publishing.hub",
     "hf_eagle3.training.data",
+    "hf_eagle3.training.code_tasks",
     "hf_eagle3.training.trainer",
 ]
 

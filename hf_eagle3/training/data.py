@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -138,10 +139,10 @@ def _end_of_value(text: str, start: int) -> int | None:
     return None
 
 
-def _iter_json_array(path: Path, skipped: SkipCounts) -> Iterator[tuple[int, object]]:
-    """(line, record) of the records of a JSON array file, decoded one at a time: a malformed, invalid UTF-8, too
-    deeply nested or too long record is skipped and counted, and so is a truncated last one; the records after it are
-    still read."""
+def _iter_json_array(path: Path, skipped: SkipCounts, records: range) -> Iterator[tuple[int, object]]:
+    """(line, record) of the records of a JSON array file whose positions (0-based, unusable records counted) are in
+    `records`, decoded one at a time: a malformed, invalid UTF-8, too deeply nested or too long record is skipped and
+    counted, and so is a truncated last one; the records after it are still read."""
     # undecodable bytes become lone surrogates, which mark the records holding them
     text = path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
     decoder = json.JSONDecoder()
@@ -149,10 +150,10 @@ def _iter_json_array(path: Path, skipped: SkipCounts) -> Iterator[tuple[int, obj
     if position < 0:
         raise ValueError(f"{path} does not hold an array of records (no opening '[').")
     position, line, counted_to = position + 1, 1, 0
-    while True:
+    for index in itertools.count():
         while position < len(text) and text[position] in " \t\r\n,":
             position += 1
-        if position >= len(text) or text[position] == "]":
+        if position >= len(text) or text[position] == "]" or index >= records.stop:
             return
         line, counted_to = line + text.count("\n", counted_to, position), position
         where = f"{path}:{line}"
@@ -164,13 +165,18 @@ def _iter_json_array(path: Path, skipped: SkipCounts) -> Iterator[tuple[int, obj
         except RecursionError:
             end, reason = _end_of_value(text, position), "record nested too deep"
         if end is None:
-            skipped.skip("truncated record at end of file", where)
+            if index in records:
+                skipped.skip("truncated record at end of file", where)
             return
-        if reason is None and end - position > MAX_RECORD_BYTES:
+        if index not in records:
+            reason = "outside --records"
+        elif reason is None and end - position > MAX_RECORD_BYTES:
             reason = f"record over {MAX_RECORD_BYTES} bytes"
         elif reason is None and not text[position:end].isascii() and _has_undecodable_bytes(text[position:end]):
             reason = "invalid UTF-8"
-        if reason is not None:
+        if reason == "outside --records":
+            pass
+        elif reason is not None:
             skipped.skip(reason, where)
         else:
             yield line, record
@@ -185,18 +191,26 @@ def _has_undecodable_bytes(text: str) -> bool:
     return False
 
 
-def _iter_json_lines(path: Path, skipped: SkipCounts) -> Iterator[tuple[int, object]]:
-    """(line, record) of a JSON-lines file; a line that is not JSON, not UTF-8, nested too deep or over
-    `MAX_RECORD_BYTES` (never held in memory whole) is skipped and counted."""
+def _iter_json_lines(path: Path, skipped: SkipCounts, records: range) -> Iterator[tuple[int, object]]:
+    """(line, record) of the non-blank lines of a JSON-lines file whose positions (0-based) are in `records`; a line
+    that is not JSON, not UTF-8, nested too deep or over `MAX_RECORD_BYTES` (never held in memory whole) is skipped
+    and counted."""
+    index = -1
     with open(path, "rb") as file:
         for line, raw in enumerate(iter(lambda: file.readline(MAX_RECORD_BYTES + 1), b""), start=1):
             where = f"{path}:{line}"
-            if len(raw) > MAX_RECORD_BYTES:
-                while raw and not raw.endswith(b"\n"):  # the rest of the line
-                    raw = file.readline(MAX_RECORD_BYTES)
-                skipped.skip(f"record over {MAX_RECORD_BYTES} bytes", where)
+            too_long = len(raw) > MAX_RECORD_BYTES
+            while too_long and raw and not raw.endswith(b"\n"):  # the rest of the line
+                raw = file.readline(MAX_RECORD_BYTES)
+            if not too_long and not raw.strip():
                 continue
-            if not raw.strip():
+            index += 1
+            if index >= records.stop:
+                return
+            if index not in records:
+                continue
+            if too_long:
+                skipped.skip(f"record over {MAX_RECORD_BYTES} bytes", where)
                 continue
             try:
                 yield line, json.loads(raw.decode("utf-8-sig"))
@@ -254,17 +268,24 @@ def _has_system(messages: list[dict]) -> int:
     return int(bool(messages) and messages[0]["role"] == "system")
 
 
-def read_conversations(path: str | Path, skipped: SkipCounts | None = None) -> Iterator[list[dict]]:
+def read_conversations(
+    path: str | Path, skipped: SkipCounts | None = None, records: range | None = None
+) -> Iterator[list[dict]]:
     """Normalised conversations of a ShareGPT JSON / JSONL or messages JSONL file (`"sharegpt"`: the package file).
 
-    Unusable records are counted in `skipped` by reason, with their file and line, and never raise.
+    `records` keeps the records at those positions of the file (0-based, counting unusable records too; default:
+    all), so a split is a fixed set of records whatever a filter drops. Unusable records are counted in `skipped` by
+    reason, with their file and line, and never raise.
     """
     skipped = SkipCounts() if skipped is None else skipped
     path = sharegpt_package_file() if str(path) == SHAREGPT_ALIAS else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"No data file at {path}.")
-    records = _iter_json_array(path, skipped) if path.suffix == ".json" else _iter_json_lines(path, skipped)
-    for line, record in records:
+    records = range(sys.maxsize) if records is None else records
+    if records.step != 1:
+        raise ValueError(f"records must be a contiguous range, got {records}.")
+    read = _iter_json_array if path.suffix == ".json" else _iter_json_lines
+    for line, record in read(path, skipped, records):
         messages, reason = normalize_messages(record)
         if reason is not None:
             skipped.skip(reason, f"{path}:{line}")
@@ -454,6 +475,7 @@ def _check_resumable(previous: dict, settings: dict, output_dir: Path) -> None:
     """The shards in `output_dir`, written with `previous` settings, can be reused under `settings`: the same ones, or
     a larger `limit` when every shard on disk is full (conversations are read in file order, so the shards already
     written stay the first ones and growing the limit only appends shards)."""
+    previous = {"records": None} | previous  # written before --records existed: every record
     if previous == settings:
         return
     if previous.get("input_digests") != settings["input_digests"]:
@@ -513,6 +535,7 @@ def prepare_dataset(
     target_name_or_path: str | None = None,
     max_length: int = 1024,
     limit: int | None = None,
+    records: range | None = None,
     shard_size: int = 256,
     target: PreTrainedModel | None = None,
     max_turns: int = 1,
@@ -526,7 +549,9 @@ def prepare_dataset(
 
     `limit` keeps the first N usable conversations: those left after every filter (readable, a first prompt within
     `max_prompt_length` when regenerating, an answer token within `max_length`), so the directory holds N of them
-    unless the inputs run out first; every shard but the last holds `shard_size`. `target_name_or_path` (a path, a
+    unless the inputs run out first; every shard but the last holds `shard_size`. `records` reads only the records at
+    those positions of each input file (0-based, unusable ones counted: a fixed split, e.g. all but the last 1,000 held
+    out for evaluation). `target_name_or_path` (a path, a
     Hub id or "smollm2"; default: the tokenizer's `name_or_path`) names the target whose tokenizer this is: the
     manifest records it, and `hf-eagle3 train` trains for it. Shards already in `output_dir` are kept and not
     recomputed (resume); the settings must then be the same as when they were written, except for a larger `limit`,
@@ -550,6 +575,7 @@ def prepare_dataset(
         "target": None if target is None else model_fingerprint(target),
         "max_length": max_length,
         "limit": limit,
+        "records": None if records is None else [records.start, records.stop],
         "shard_size": shard_size,
         "regenerated_by": None if target is None else target.config.name_or_path,
         "max_turns": max_turns if target is not None else None,
@@ -573,7 +599,7 @@ def prepare_dataset(
     regenerate_options = dict(max_turns=max_turns, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, temperature=temperature, bar=bar)
     read_skips = SkipCounts()
-    conversations = (conversation for path in inputs for conversation in read_conversations(path, read_skips))
+    conversations = (conversation for path in inputs for conversation in read_conversations(path, read_skips, records))
     examples, skipped = [], SkipCounts()
     for shard_index in itertools.count():
         wanted = shard_size if limit is None else min(shard_size, limit - len(examples))
@@ -634,6 +660,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=int, help="Keep the first N usable conversations, those left after every "
                         "filter (readable, prompt within --max-prompt-length when regenerating, an answer token within "
                         "--max-length); fewer only when the inputs run out (default: all).")
+    parser.add_argument("--records", type=_record_range, metavar="START:STOP", help="Read only the records at "
+                        "positions START to STOP-1 of each input file (0-based, unusable records counted; either end "
+                        "may be left out), e.g. ':16671' to hold out the rest for evaluation (default: all).")
     parser.add_argument("--shard-size", type=int, default=256, help="Conversations per shard.")
     parser.add_argument("--regenerate", action="store_true", help="Replace the answers by the target's own.")
     parser.add_argument("--max-turns", type=int, default=1, help="User turns answered per conversation (regenerate).")
@@ -648,6 +677,19 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_cli)
 
 
+def _record_range(text: str) -> range:
+    start, colon, stop = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        bounds = range(int(start) if start else 0, int(stop) if stop else sys.maxsize)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:STOP (e.g. 0:16671 or :16671), got {text!r}") from None
+    if bounds.start < 0 or bounds.stop <= bounds.start:
+        raise argparse.ArgumentTypeError(f"expected 0 <= START < STOP, got {text!r}")
+    return bounds
+
+
 def _run_cli(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -659,6 +701,7 @@ def _run_cli(args: argparse.Namespace) -> None:
         target_name_or_path=args.target,
         max_length=args.max_length,
         limit=args.limit,
+        records=args.records,
         shard_size=args.shard_size,
         target=model if args.regenerate else None,
         max_turns=args.max_turns,
