@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -339,6 +340,36 @@ def test_push_command_dry_run_lists_the_upload_prints_the_card_and_sends_nothing
     assert "# eagle3-draft" in card.text and "## Serving" in card.text and "## Citation" in card.text
     assert "no datasets (--dataset)" in printed.err  # what the card lacks is named, with the option that adds it
     assert not create_repo.called and not commits
+
+
+def test_push_dry_run_of_a_draft_saved_in_hf_eagle3s_layout_lists_the_served_layouts_config(
+    mocked_hub, tmp_path, capsys, only_our_commands
+):
+    tiny_draft(target_name_or_path="org/target").save_pretrained(tmp_path, served_layout=False)
+    cli.main(["push", str(tmp_path), "org/eagle3-draft", "--dry-run"])
+    listed = capsys.readouterr().out.split("\nREADME.md:\n")[0]
+    assert re.search(r"  config\.json \(\d+ bytes, generated\)", listed)
+    assert all(f"  {name} (" in listed for name in SAVED_FILES)
+    cli.main(["push", str(tmp_path), "org/eagle3-draft", "--dry-run", "--hf-eagle3-layout"])
+    assert not re.search(r"config\.json \(\d+ bytes, generated\)", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("served_layout", [True, False])
+def test_push_uploads_one_repository_in_the_served_layout_unless_asked_for_hf_eagle3s(
+    mocked_hub, tmp_path, served_layout
+):
+    _, commits = mocked_hub
+    draft = tiny_draft(target_name_or_path="org/target")
+    draft.push_to_hub("org/eagle3-draft", served_layout=served_layout)
+    tiny_draft(target_name_or_path="org/target").save_pretrained(tmp_path, served_layout=False)
+    push_folder(tmp_path, "org/eagle3-draft", served_layout=served_layout)
+    for commit in commits:
+        config = json.loads(commit["files"]["config.json"])
+        assert config["model_type"] == ("llama" if served_layout else "eagle3")
+        assert SAVED_FILES <= set(commit["files"]) and "README.md" in commit["files"]
+        if served_layout:
+            assert config["architectures"] == ["LlamaForCausalLMEagle3"] and "hf_eagle3" in config
+    assert commits[0]["files"]["model.safetensors"] == commits[1]["files"]["model.safetensors"]
 
 
 def test_push_command_uploads_with_the_folder_results(mocked_hub, saved_draft, capsys, only_our_commands):
