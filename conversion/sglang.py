@@ -12,6 +12,9 @@ Only one decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLa
 unknown weights and always replaces the draft's embedding with the target's, so the export writes
 exactly the weights SGLang uses and refuses a draft with an embedding of its own. What SGLang has no key for (the
 target's id and layer count, the draft tree settings) is kept under `hf_eagle3`, which SGLang ignores.
+
+This is also the layout `save_pretrained` writes (`served`), which vLLM and SGLang load by repository id: the export
+puts our modeling code beside the weights, with an `auto_map` naming `AutoModel` only (see `served_config`).
 """
 
 import shutil
