@@ -287,7 +287,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         With a checkpoint reader registered (`import hf_eagle3` registers one), a folder or Hub repo saved in another
         project's format (official EAGLE-3, SpecForge / SGLang, AngelSlim, vLLM speculators, NVIDIA ModelOpt) is
         converted in memory and loaded; `from_format="sglang"` (etc.) names the format where detection cannot settle
-        it.
+        it. The served layout `save_pretrained` writes needs no reader: `Eagle3Config` reads it (so does the
+        remote-code copy, which `AutoModel.from_pretrained(..., trust_remote_code=True)` builds from it).
         """
         output_loading_info = kwargs.pop("output_loading_info", False)
         from_format = kwargs.pop("from_format", None)
