@@ -1,12 +1,12 @@
-"""Conversion of EAGLE-3 draft checkpoints between hf-eagle3's Hub format and the formats of other projects.
+"""Conversion of EAGLE-3 draft checkpoints between hf-eagle3's layouts and the formats of other projects.
 
 Every format is read into one [`DraftCheckpoint`] (our config and weight names, validated once) and written from it:
 
 | format | project | import | export |
 |---|---|---|---|
-| `hub` | hf-eagle3 (`Eagle3DraftModel.save_pretrained`) | yes | yes |
+| `hub` | hf-eagle3's own layout (`Eagle3DraftModel.save_pretrained(..., served_layout=False)`) | yes | yes |
 | `official` | SafeAILab/EAGLE EAGLE-3 | yes | no |
-| `sglang` | SpecForge / SGLang `LlamaForCausalLMEagle3`, AngelSlim `Eagle3LlamaForCausalLM` | yes | yes |
+| `sglang` | SpecForge / SGLang `LlamaForCausalLMEagle3` (what `save_pretrained` writes), AngelSlim's | yes | yes |
 | `speculators` | vLLM / speculators `Eagle3Speculator` | yes | yes |
 | `modelopt` | NVIDIA ModelOpt | yes | no |
 

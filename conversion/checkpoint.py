@@ -121,6 +121,18 @@ class DraftCheckpoint:
         tensors.update(_canonical_vocabulary(config, tensors))
         return cls(config, tensors)
 
+    @classmethod
+    def from_model(
+        cls, model: Eagle3DraftModel, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> "DraftCheckpoint":
+        """The draft `model` as `save_pretrained` saves it (its config, and `state_dict` or its own weights without
+        the target's modules), validated by [`DraftCheckpoint.build`]."""
+        ignored = model._keys_to_ignore_on_save or set()
+        tensors = {name: tensor.detach().cpu() for name, tensor in (state_dict or model.state_dict()).items()
+                   if name not in ignored}
+        fields = copy.deepcopy({name: getattr(model.config, name) for name in Eagle3Config.__annotations__})
+        return cls.build(fields, tensors, TargetInfo(known_at_generate=True))
+
     def sharing_target_embedding(self) -> "DraftCheckpoint":
         """This draft without its own `embed_tokens`, sharing the target's input embedding at run time instead."""
         config = copy.deepcopy(self.config)

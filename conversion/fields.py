@@ -11,7 +11,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Llama4TextConfig, LlamaConfig, PreTrainedConfig, Qwen3Config
 
-from ..configuration_eagle3 import Eagle3Config
+from ..configuration_eagle3 import SERVED_SETTINGS_KEY, Eagle3Config
 from .checkpoint import ConversionError, ReadOptions
 
 # Llama config fields of the draft's decoder layer that `Eagle3Config` holds under the same name.
@@ -26,6 +26,8 @@ DECODER_LAYER_FIELDS = (
     "max_position_embeddings",
     "attention_bias",
     "mlp_bias",
+    "attention_dropout",
+    "initializer_range",
 )
 # The target's special-token ids, which the libraries write into a draft's config.
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -217,9 +219,10 @@ def llama_fields(config: Eagle3Config) -> dict[str, Any]:
 
 # Where our exports keep, inside a foreign config, the hf-eagle3 fields its engines have no key for (they ignore
 # unknown keys); our readers restore them, so a round trip through the format keeps the whole config.
-CARRIED_CONFIG_KEY = "hf_eagle3"
+CARRIED_CONFIG_KEY = SERVED_SETTINGS_KEY
 CARRIED_FIELDS = (
     "share_target_embedding",
+    "share_target_lm_head",
     "target_num_hidden_layers",
     "target_name_or_path",
     "target_fingerprint",
@@ -298,21 +301,30 @@ def layers_named(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
     return named
 
 
-def refuse_last_layer_tap(config: Eagle3Config, what: str) -> None:
-    """Refuse to move a draft that reads the output of the target's last layer between hf-eagle3 and the engines.
+def last_layer_tap_refusal(config: Eagle3Config, what: str) -> str | None:
+    """Why a draft that reads the output of the target's last layer cannot move between hf-eagle3 and the engines
+    (`None` for any other draft).
 
     SGLang and vLLM capture that output before the target's final norm; transformers' `hidden_states[N]`, which
     `Eagle3DraftModel` is fed, comes after it.
     """
     num_layers = config.target_num_hidden_layers
-    if num_layers is not None and num_layers in (config.target_layer_ids or []):
-        raise ConversionError(
-            f"The draft's target layers include the output of the target's last layer (hidden_states index "
-            f"{num_layers} of an {num_layers}-layer target; {num_layers - 1} in output-of-layer numbering). SGLang "
-            f"and vLLM take it before the target's final norm, transformers' hidden_states[{num_layers}] after it, "
-            f"and hf-eagle3 does not capture the pre-norm tensor: {what} would read another tensor than it was "
-            "trained on, so it is refused."
-        )
+    if num_layers is None or num_layers not in (config.target_layer_ids or []):
+        return None
+    return (
+        f"The draft's target layers include the output of the target's last layer (hidden_states index "
+        f"{num_layers} of an {num_layers}-layer target; {num_layers - 1} in output-of-layer numbering). SGLang "
+        f"and vLLM take it before the target's final norm, transformers' hidden_states[{num_layers}] after it, "
+        f"and hf-eagle3 does not capture the pre-norm tensor: {what} would read another tensor than it was "
+        "trained on, so it is refused."
+    )
+
+
+def refuse_last_layer_tap(config: Eagle3Config, what: str) -> None:
+    """Raise `last_layer_tap_refusal`'s reason, if any."""
+    reason = last_layer_tap_refusal(config, what)
+    if reason is not None:
+        raise ConversionError(reason)
 
 
 def refuse_unfaithful(format_name: str, settings: dict[str, Any], unfaithful: dict[str, tuple[Any, str]]) -> None:

@@ -1,6 +1,7 @@
 """Checkpoint folders on disk: `config.json` plus safetensors or `.bin` weights, single-file or sharded."""
 
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,19 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 def write_checkpoint_files(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """Write `config.json` and `model.safetensors` the way `save_pretrained` names them."""
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (folder / "config.json").write_text(config_text(config))
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def replace_config(folder: Path, config: dict[str, Any]) -> None:
+    """Replace `folder`'s `config.json` with `config` in one rename: a reader sees the old file or the new one."""
+    staged = folder / f".config.json.{os.getpid()}.partial"
+    staged.write_text(config_text(config))
+    os.replace(staged, folder / "config.json")
+
+
+def config_text(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def input_embedding(folder: Path, vocab_size: int, hidden_size: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.utils import logging
 
-from ..configuration_eagle3 import Eagle3Config
+from ..configuration_eagle3 import Eagle3Config, is_served_layout
 from .checkpoint import TargetInfo
 from .convert import read_checkpoint
 
@@ -22,8 +22,8 @@ def read_foreign(
     source: str | Path, from_format: str | None, hub_kwargs: dict
 ) -> tuple[Eagle3Config, dict[str, torch.Tensor]] | None:
     """The draft at `source` converted in memory, as `(config, state_dict)`, when it is in another project's format
-    (or `from_format` names one); `None` for our own format, and for a `source` without a readable config (the
-    regular loader names that problem)."""
+    (or `from_format` names one); `None` for our own layouts (hf-eagle3's and the served one `save_pretrained` writes),
+    and for a `source` without a readable config (the regular loader names that problem)."""
     if from_format in (None, "hub") and not _is_foreign(source, hub_kwargs):
         return None
     download = {name: value for name, value in hub_kwargs.items() if name != "subfolder"}
@@ -62,4 +62,4 @@ def _is_foreign(source: str | Path, hub_kwargs: dict) -> bool:
             f"The config.json of {source!r} holds a JSON {type(config).__name__}, not an object of config fields: it "
             "is damaged. Save or download the draft again."
         )
-    return config.get("model_type") != Eagle3Config.model_type
+    return config.get("model_type") != Eagle3Config.model_type and not is_served_layout(config)

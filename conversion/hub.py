@@ -1,5 +1,6 @@
-"""Our Hub format: what `Eagle3DraftModel.save_pretrained` writes (config with `model_type: "eagle3"` and `auto_map`,
-`model.safetensors` under our weight names, and the modeling code for `trust_remote_code`)."""
+"""hf-eagle3's own layout: what `Eagle3DraftModel.save_pretrained(..., served_layout=False)` writes (config with
+`model_type: "eagle3"` and `auto_map`, `model.safetensors` under our weight names, and the modeling code for
+`trust_remote_code`); `save_pretrained` writes the `sglang` layout, which the serving engines load, by default."""
 
 from pathlib import Path
 
@@ -21,12 +22,12 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
     # The weights are assigned, not copied, into a storage-less model, whose save_pretrained writes them as they are.
     model = meta_model(checkpoint.config).to(checkpoint.dtype)
     model.load_state_dict(checkpoint.tensors, strict=False, assign=True)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, served_layout=False)
 
 
 FORMAT = CheckpointFormat(
     name="hub",
-    description="hf-eagle3 (Eagle3DraftModel.save_pretrained; loads with AutoModel and trust_remote_code)",
+    description="hf-eagle3's own layout (Eagle3DraftModel.save_pretrained(..., served_layout=False))",
     detect=detect,
     read=read,
     write=write,

@@ -12,21 +12,27 @@ Only one decoder layer is accepted: SGLang builds later layers unlike vLLM. SGLa
 unknown weights and always replaces the draft's embedding with the target's, so the export writes
 exactly the weights SGLang uses and refuses a draft with an embedding of its own. What SGLang has no key for (the
 target's id and layer count, the draft tree settings) is kept under `hf_eagle3`, which SGLang ignores.
+
+This is also the layout `save_pretrained` writes (`served`), which vLLM and SGLang load by repository id: the export
+puts our modeling code beside the weights, with an `auto_map` naming `AutoModel` only (see `served_config`).
 """
 
+import shutil
 from pathlib import Path
+from typing import Any
 
-from ..configuration_eagle3 import Eagle3Config
+from .. import configuration_eagle3, modeling_eagle3
+from ..configuration_eagle3 import SERVED_ARCHITECTURE, Eagle3Config
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
 from .fields import (
     carried_fields,
     draft_fields,
     dtype_name,
     head_fields,
+    last_layer_tap_refusal,
     llama_fields,
     option_fields,
     output_of_layer_ids,
-    refuse_last_layer_tap,
     refuse_unfaithful,
     restored_fields,
     target_layer_ids,
@@ -34,7 +40,7 @@ from .fields import (
 from .files import write_checkpoint_files
 from .modelopt import MODELOPT_EAGLE_CONFIG_KEYS
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURE = SERVED_ARCHITECTURE
 # SpecForge / SGLang's name, and vLLM's, which AngelSlim writes.
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 
@@ -44,6 +50,7 @@ UNFAITHFUL_SETTINGS = {
 }
 # Options SGLang does not read (vLLM does, in this format too): exporting a draft that uses them would change it.
 SGLANG_IGNORES = ("norm_before_residual", "norm_before_fc", "qk_norm")
+REMOTE_CODE = {"AutoModel": "modeling_eagle3.Eagle3DraftModel"}
 
 
 # SpecForge changed what `norm_output` means after 0.2.0 (there: apply the final norm before lm_head, default true,
@@ -89,6 +96,15 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
 
 def refusal(config: Eagle3Config) -> str | None:
     """Why the draft `config` describes cannot be served in this format (SGLang, SpecForge), or `None` if it can."""
+    if config.target_layer_ids is None:
+        return (
+            "The draft records no target layers (target_layer_ids), which SGLang reads from its config: set "
+            "draft.config.target_num_hidden_layers to its target's layer count (or run it once in its target's "
+            "generate, which records them)."
+        )
+    tapping_last_layer = last_layer_tap_refusal(config, "the draft served by SGLang")
+    if tapping_last_layer is not None:
+        return tapping_last_layer
     settings = [f"{name}=True" for name in SGLANG_IGNORES if getattr(config, name)]
     if config.num_hidden_layers > 1:
         settings.append(f"num_hidden_layers={config.num_hidden_layers}")
@@ -115,12 +131,9 @@ def refusal(config: Eagle3Config) -> str | None:
     return None
 
 
-def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
+def served_config(checkpoint: DraftCheckpoint) -> dict[str, Any]:
+    """The `config.json` contents of `checkpoint` in this format, which `refusal` must have found it can express."""
     config = checkpoint.config
-    refuse_last_layer_tap(config, "the draft served by SGLang")
-    reason = refusal(config)
-    if reason is not None:
-        raise ConversionError(reason)
     sglang_config = {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -137,10 +150,22 @@ def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
         },
         "torch_dtype": dtype_name(checkpoint.dtype),
         **carried_fields(config),
+        # `AutoModel.from_pretrained(repo, trust_remote_code=True)` builds the draft from the copy of our modeling
+        # code; no `AutoConfig` entry, so the engines read the config as a LlamaConfig even with trust_remote_code.
+        "auto_map": dict(REMOTE_CODE),
     }
     if config.target_model_type is not None:
         sglang_config["target_model_type"] = config.target_model_type
-    write_checkpoint_files(folder, sglang_config, checkpoint.tensors)
+    return sglang_config
+
+
+def write(checkpoint: DraftCheckpoint, folder: Path) -> None:
+    reason = refusal(checkpoint.config)
+    if reason is not None:
+        raise ConversionError(reason)
+    write_checkpoint_files(folder, served_config(checkpoint), checkpoint.tensors)
+    for module in (configuration_eagle3, modeling_eagle3):  # the remote code `auto_map` names
+        shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
 
 
 FORMAT = CheckpointFormat(

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration_eagle3 import Eagle3Config
 from .conversion.foreign import read_foreign
+from .conversion.served import save_served
 from .decoding.compatibility import check_compatibility, check_transformers_version
 from .decoding.cpu_layout import optimize, standard_layout
 from .decoding.exact_attention import install as install_exact_attention
@@ -29,9 +30,10 @@ AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
 # Saved drafts carry `auto_map` and this modeling code, so they also load where hf_eagle3 is not installed.
 Eagle3Config.register_for_auto_class()
 Eagle3DraftModel.register_for_auto_class("AutoModel")
-# Foreign checkpoint formats for `from_pretrained`, and model cards for `push_to_hub` (the remote-code copy has
-# neither).
+# Foreign checkpoint formats for `from_pretrained`, the layout the serving engines load for `save_pretrained`, and
+# model cards for `push_to_hub` (the remote-code copy has none of them).
 Eagle3DraftModel.register_checkpoint_reader(read_foreign)
+Eagle3DraftModel.register_checkpoint_writer(save_served)
 Eagle3DraftModel.register_pusher(push_draft)
 install()
 install_pipeline_support()

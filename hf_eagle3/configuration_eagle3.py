@@ -11,6 +11,12 @@ from transformers.utils.type_validators import interval
 # Bounds of the decoding settings, checked before anything is sized from them: far beyond any tree that pays, well
 # within what one forward can hold
 MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_NGRAM_MATCH = 64, 512, 64
+# The layout vLLM and SGLang load by repository id (SpecForge / SGLang `LlamaForCausalLMEagle3`), which
+# `save_pretrained` writes once hf_eagle3 is imported: the decoder layer's Llama fields at the top level, the target
+# layers read as output-of-layer numbers in `eagle_config`, and the fields the engines have no key for (tree defaults,
+# acceptance profile, n-gram settings, target) under `SERVED_SETTINGS_KEY`, which they ignore.
+SERVED_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SERVED_SETTINGS_KEY = "hf_eagle3"
 
 
 @strict
@@ -216,6 +222,15 @@ class Eagle3Config(PreTrainedConfig):
     converted_from: dict | None = None
     tie_word_embeddings: bool = False
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """`PreTrainedConfig.get_config_dict`, reading a draft hf-eagle3 saved in the served layout as this config's
+        fields (`served_layout_fields`)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if is_served_layout(config_dict):
+            config_dict = {"model_type": cls.model_type, **served_layout_fields(config_dict)}
+        return config_dict, kwargs
+
     def __post_init__(self, **kwargs):
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.vocab_size
@@ -302,6 +317,28 @@ class Eagle3Config(PreTrainedConfig):
             raise ValueError("Invalid Eagle3Config: " + "; ".join(problems) + ".")
 
 
+def is_served_layout(config_dict: dict) -> bool:
+    """Whether the `config.json` contents `config_dict` are those of a draft hf-eagle3 saved in the served layout
+    (SpecForge / SGLang's, with hf-eagle3's settings under `SERVED_SETTINGS_KEY`)."""
+    return SERVED_ARCHITECTURE in (config_dict.get("architectures") or []) and isinstance(
+        config_dict.get(SERVED_SETTINGS_KEY), dict)
+
+
+def served_layout_fields(config_dict: dict) -> dict:
+    """The `Eagle3Config` fields of a draft hf-eagle3 saved in the served layout (`is_served_layout`).
+
+    This file reads that layout on its own because it is also the remote code of saved drafts, which cannot import
+    hf-eagle3's converters; those read any SpecForge / SGLang draft, hf-eagle3's among them, to the same fields.
+    """
+    eagle_config = config_dict.get("eagle_config") or {}
+    output_of_layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    fields = {name: value for name, value in config_dict.items()
+              if name in Eagle3Config.__annotations__ or name in ("dtype", "torch_dtype")}
+    if output_of_layers is not None:  # SpecForge numbers the output of layer i, our hidden_states index i + 1
+        fields["target_layer_ids"] = sorted(i + 1 for i in output_of_layers)
+    return {**fields, **config_dict[SERVED_SETTINGS_KEY]}
+
+
 def default_target_layer_ids(num_layers: int) -> list[int]:
     """The `hidden_states` indices an `num_layers`-layer target is tapped at by default: the official (2, N//2, N-3),
     or (N//4, N//2, N-1) for targets too shallow for three distinct official taps."""
@@ -311,4 +348,4 @@ def default_target_layer_ids(num_layers: int) -> list[int]:
     return [num_layers // 4, num_layers // 2, num_layers - 1]
 
 
-__all__ = ["Eagle3Config", "default_target_layer_ids"]
+__all__ = ["Eagle3Config", "default_target_layer_ids", "is_served_layout", "served_layout_fields"]

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -248,9 +248,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self._keys_to_ignore_on_save = {f"{name}.weight" for name in shared}
             self._keys_to_ignore_on_load_missing = {rf"^{name}\.weight$" for name in shared}
 
-    # Set by `register_checkpoint_reader` / `register_pusher` (`import hf_eagle3` registers both); the remote-code copy
-    # of this file, loaded without hf_eagle3, keeps transformers' own behaviour.
+    # Set by `register_checkpoint_reader` / `register_checkpoint_writer` / `register_pusher` (`import hf_eagle3`
+    # registers all three); the remote-code copy of this file, loaded without hf_eagle3, keeps transformers' own
+    # behaviour.
     _checkpoint_reader: Callable | None = None
+    _checkpoint_writer: Callable | None = None
     _pusher: Callable | None = None
 
     @classmethod
@@ -265,6 +267,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         cls._checkpoint_reader = staticmethod(reader)
 
     @classmethod
+    def register_checkpoint_writer(cls, writer: Callable) -> None:
+        """Let `save_pretrained` write the layout the serving engines load by id.
+
+        `writer(model, save_directory, **kwargs)` saves `model` with `save_pretrained`'s keyword arguments; it may
+        call `model.save_pretrained(save_directory, served_layout=False, ...)` for hf-eagle3's own layout.
+        """
+        cls._checkpoint_writer = staticmethod(writer)
+
+    @classmethod
     def register_pusher(cls, pusher: Callable) -> None:
         """Let `push_to_hub` upload through `pusher(model, repo_id, **kwargs)` (hf_eagle3's adds a model card)."""
         cls._pusher = staticmethod(pusher)
@@ -276,7 +287,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         With a checkpoint reader registered (`import hf_eagle3` registers one), a folder or Hub repo saved in another
         project's format (official EAGLE-3, SpecForge / SGLang, AngelSlim, vLLM speculators, NVIDIA ModelOpt) is
         converted in memory and loaded; `from_format="sglang"` (etc.) names the format where detection cannot settle
-        it.
+        it. The served layout `save_pretrained` writes needs no reader: `Eagle3Config` reads it (so does the
+        remote-code copy, which `AutoModel.from_pretrained(..., trust_remote_code=True)` builds from it).
         """
         output_loading_info = kwargs.pop("output_loading_info", False)
         from_format = kwargs.pop("from_format", None)
@@ -296,6 +308,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             config, state_dict = foreign
             kwargs.pop("pretrained_model_name_or_path", None)
             args, kwargs = (None, *args[1:]), {**kwargs, "config": config, "state_dict": state_dict}
+        elif source is not None and isinstance(kwargs.get("config"), PreTrainedConfig) and not isinstance(
+            kwargs["config"], cls.config_class
+        ):
+            # `AutoModel.from_pretrained(..., trust_remote_code=True)` of the served layout (`model_type: llama`) hands
+            # over the `LlamaConfig` AutoConfig read: this class's config reads the same file.
+            kwargs["config"] = cls.config_class.from_pretrained(source, **hub_kwargs)
         try:  # mismatched shapes are reported below, naming each tensor's shapes
             model, loading_info = super().from_pretrained(*args, output_loading_info=True,
                                                           **{**kwargs, "ignore_mismatched_sizes": True})
@@ -333,9 +351,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         model.generation_config = _saved_generation_config(source, hub_kwargs)
         return (model, loading_info) if output_loading_info else model
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, served_layout: bool = True, **kwargs):
         """`PreTrainedModel.save_pretrained`, also writing `generation_config.json` when `generation_config` holds
-        settings (transformers writes it only for models that generate on their own)."""
+        settings (transformers writes it only for models that generate on their own).
+
+        With a checkpoint writer registered (`import hf_eagle3` registers one), the draft is saved in the layout vLLM
+        and SGLang load by id (SpecForge / SGLang `LlamaForCausalLMEagle3`), which `from_pretrained` reads back
+        exactly; `served_layout=False` writes hf-eagle3's own layout (`model_type: eagle3`) instead.
+        """
+        if served_layout and self._checkpoint_writer is not None:
+            return self._checkpoint_writer(self, save_directory, *args, **kwargs)
         super().save_pretrained(save_directory, *args, **kwargs)
         settings = {key for key in self.generation_config.to_diff_dict() if key != "transformers_version"}
         if settings and kwargs.get("is_main_process", True):
@@ -348,8 +373,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             "An EAGLE-3 draft does not generate on its own: it drafts inside its target's generate, "
             "`target.generate(**inputs, assistant_model=draft)`, which needs hf-eagle3 (no package index serves it: "
             "`pip install ./hf-eagle3` in a clone of its repository), then `import hf_eagle3` and load the draft "
-            "after the import (`Eagle3DraftModel.from_pretrained` or `AutoModel.from_pretrained`). A draft loaded before it with trust_remote_code=True is the checkpoint's "
-            "own copy of this class, which hf-eagle3 does not drive."
+            "after the import with `Eagle3DraftModel.from_pretrained`. A draft loaded with trust_remote_code=True is "
+            "the checkpoint's own copy of this class (for a draft in the served layout, also after the import), "
+            "which hf-eagle3 does not drive."
         )
 
     def _supports_logits_to_keep(self) -> bool:

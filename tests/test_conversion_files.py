@@ -114,7 +114,7 @@ def test_bin_files_are_never_unpickled_beyond_tensors(tmp_path):
 
 
 def test_existing_destination_is_not_overwritten(tmp_path):
-    tiny_draft().save_pretrained(tmp_path / "hub")
+    tiny_draft().save_pretrained(tmp_path / "hub", served_layout=False)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     with pytest.raises(ConversionError, match="already exists"):
@@ -126,7 +126,7 @@ def test_non_finite_weights_are_refused(tmp_path):
     draft = tiny_draft()
     with torch.no_grad():
         draft.fc.weight[0, 0] = float("inf")
-    draft.save_pretrained(tmp_path / "hub")
+    draft.save_pretrained(tmp_path / "hub", served_layout=False)
     with pytest.raises(ConversionError, match="NaN or infinite values in fc.weight"):
         convert(tmp_path / "hub", tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -199,7 +199,7 @@ def test_a_sharded_foreign_checkpoint_in_the_hub_cache_converts_and_loads(tmp_pa
 
 
 def test_a_killed_conversions_staging_folder_is_removed_by_the_next_run(tmp_path):
-    tiny_draft().save_pretrained(tmp_path / "hub")
+    tiny_draft().save_pretrained(tmp_path / "hub", served_layout=False)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True,
                           text=True)
     abandoned = tmp_path / f".hf-eagle3-convert-{dead.stdout.strip()}-abc123"
@@ -211,7 +211,7 @@ def test_a_killed_conversions_staging_folder_is_removed_by_the_next_run(tmp_path
 
 
 def test_a_converted_folder_has_the_modes_of_a_folder_written_in_place(tmp_path):
-    tiny_draft().save_pretrained(tmp_path / "hub")
+    tiny_draft().save_pretrained(tmp_path / "hub", served_layout=False)
     convert(tmp_path / "hub", tmp_path / "out")
     umask = os.umask(0)
     os.umask(umask)
@@ -234,7 +234,7 @@ except ConversionError as error:
 
 @pytest.mark.parametrize("limit", [8_000, 30_000])  # the failure lands in the code files / in the weights
 def test_a_full_destination_writes_nothing_and_says_so(tmp_path, limit):
-    tiny_draft().save_pretrained(tmp_path / "hub")
+    tiny_draft().save_pretrained(tmp_path / "hub", served_layout=False)
     script = FULL_DISK.format(tests=str(Path(__file__).parent), limit=limit, source=str(tmp_path / "hub"),
                               destination=str(tmp_path / "out"))
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)

@@ -143,7 +143,7 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, variant, dt
         tree_depth=2, tree_top_k=8, tree_total_tokens=12, tree_shape="auto",
         acceptance_profile=[{"tree_depth": 2, "tree_top_k": 8, "tree_total_tokens": 12, "tau": 1.9}],
     ).to(dtype)
-    draft.save_pretrained(tmp_path / "hub")
+    draft.save_pretrained(tmp_path / "hub", served_layout=False)
     saved_target(tmp_path / "target", draft.config.vocab_size, draft.config.hidden_size)
 
     convert(tmp_path / "hub", tmp_path / export_format, to_format=export_format, target_embedding=tmp_path / "target")
@@ -157,7 +157,7 @@ def test_hub_to_foreign_to_hub_is_bit_exact(tmp_path, export_format, variant, dt
 
 
 def test_import_only_formats_cannot_be_written(tmp_path):
-    tiny_draft().save_pretrained(tmp_path / "hub")
+    tiny_draft().save_pretrained(tmp_path / "hub", served_layout=False)
     with pytest.raises(ConversionError, match="import-only"):
         convert(tmp_path / "hub", tmp_path / "out", to_format="official")
 
@@ -165,7 +165,7 @@ def test_import_only_formats_cannot_be_written(tmp_path):
 @pytest.mark.parametrize("forced", ["sglang", "modelopt", "speculators", "official"])
 def test_forcing_another_format_on_our_own_draft_is_refused(tmp_path, forced):
     """Read as another format, our `target_layer_ids` would be renumbered or replaced by defaults: refused."""
-    tiny_draft(target_layer_ids=[0, 3, 4]).save_pretrained(tmp_path / "hub")
+    tiny_draft(target_layer_ids=[0, 3, 4]).save_pretrained(tmp_path / "hub", served_layout=False)
     with pytest.raises(ConversionError, match=f"is a hub checkpoint, not {forced}.*--from hub"):
         convert(tmp_path / "hub", tmp_path / "out", from_format=forced)
     assert not (tmp_path / "out").exists()

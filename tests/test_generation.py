@@ -4,7 +4,7 @@
 import pytest
 import torch
 from helpers import SLIDING_TARGETS, TARGET_FAMILIES, VOCAB, fit_draft, sliding_target, tiny_draft, tiny_target
-from transformers import AutoModel, AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from hf_eagle3 import Eagle3DraftModel
@@ -368,13 +368,13 @@ def test_generation_stats_exist_before_the_first_call():
     assert tiny_draft().generation_stats is None
 
 
-def test_a_bfloat16_checkpoint_loaded_with_automodel_drafts_for_a_float32_target_in_its_own_dtype(
+def test_a_bfloat16_checkpoint_loaded_with_from_pretrained_drafts_for_a_float32_target_in_its_own_dtype(
     llama_target, fitted_draft, tmp_path
 ):
-    # save_pretrained of a bf16 copy, then `AutoModel.from_pretrained` as a transformers user loads it (dtype "auto")
+    # save_pretrained of a bf16 copy, then `from_pretrained` as a transformers user loads it (dtype "auto")
     fitted_draft.save_pretrained(tmp_path / "float32")
-    AutoModel.from_pretrained(tmp_path / "float32").to(torch.bfloat16).save_pretrained(tmp_path / "bfloat16")
-    draft = AutoModel.from_pretrained(tmp_path / "bfloat16")
+    Eagle3DraftModel.from_pretrained(tmp_path / "float32").to(torch.bfloat16).save_pretrained(tmp_path / "bfloat16")
+    draft = Eagle3DraftModel.from_pretrained(tmp_path / "bfloat16")
     assert isinstance(draft, Eagle3DraftModel) and draft.dtype == torch.bfloat16 and llama_target.dtype == torch.float32
 
     prompt = PROMPTS[1]

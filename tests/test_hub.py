@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,11 +88,15 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
 ):
     assert SAVED_FILES <= {path.name for path in saved_draft.iterdir()}
     assert SAVED_FILES <= {path.name for path in SHIPPED_DRAFT.iterdir()}
-    for folder in (saved_draft, SHIPPED_DRAFT):
-        assert json.loads((folder / "config.json").read_text())["auto_map"] == {
-            "AutoConfig": "configuration_eagle3.Eagle3Config",
-            "AutoModel": "modeling_eagle3.Eagle3DraftModel",
-        }
+    # The served layout names no AutoConfig: the engines read its config as the LlamaConfig it is, with
+    # trust_remote_code too. hf-eagle3's own layout (the shipped draft's) names both.
+    assert json.loads((saved_draft / "config.json").read_text())["auto_map"] == {
+        "AutoModel": "modeling_eagle3.Eagle3DraftModel",
+    }
+    assert json.loads((SHIPPED_DRAFT / "config.json").read_text())["auto_map"] == {
+        "AutoConfig": "configuration_eagle3.Eagle3Config",
+        "AutoModel": "modeling_eagle3.Eagle3DraftModel",
+    }
     shipped = tmp_path / "smollm2-eagle3"  # as downloaded from the Hub: custom_generate/ included
     shutil.copytree(SHIPPED_DRAFT, shipped)
     output = run_python(
@@ -101,22 +106,25 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
         assert not any(d.metadata["Name"] == "hf-eagle3" for d in importlib.metadata.distributions())
         import torch
         from safetensors.torch import load_file
-        from transformers import AutoModel
+        from transformers import AutoConfig, AutoModel
 
         for folder in ({str(saved_draft)!r}, {str(shipped)!r}):
             draft = AutoModel.from_pretrained(folder, trust_remote_code=True)
             state = draft.state_dict()
             saved = load_file(folder + "/model.safetensors")
             assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
-            print(type(draft).__module__.split(".")[0], type(draft).__name__, draft.dtype)
+            print(type(draft).__module__.split(".")[0], type(draft).__name__, draft.dtype, draft.config.tree_depth)
+        print(type(AutoConfig.from_pretrained({str(saved_draft)!r}, trust_remote_code=True)).__name__)
         """,
         cwd=tmp_path,
         python=python_without_hf_eagle3,
         HF_HOME=str(tmp_path / "hf_home"),
     )
+    shipped_depth = json.loads((shipped / "config.json").read_text())["tree_depth"]
     assert output.splitlines() == [
-        "transformers_modules Eagle3DraftModel torch.float32",
-        "transformers_modules Eagle3DraftModel torch.bfloat16",
+        "transformers_modules Eagle3DraftModel torch.float32 4",
+        f"transformers_modules Eagle3DraftModel torch.bfloat16 {shipped_depth}",
+        "LlamaConfig",
     ]
 
 
@@ -200,10 +208,15 @@ def test_the_shipped_custom_generate_where_hf_eagle3_is_not_installed_says_how_t
 def test_with_hf_eagle3_imported_trust_remote_code_loads_its_class_and_one_loaded_before_is_named(
     saved_draft, llama_target, tmp_path
 ):
-    draft = AutoModel.from_pretrained(saved_draft, trust_remote_code=True)  # a registered class wins over remote code
+    own_layout = tmp_path / "hf-eagle3-layout"
+    Eagle3DraftModel.from_pretrained(saved_draft).save_pretrained(own_layout, served_layout=False)
+    draft = AutoModel.from_pretrained(own_layout, trust_remote_code=True)  # a registered class wins over remote code
     assert type(draft) is Eagle3DraftModel
     llama_target.generate(torch.tensor([[3, 5, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False)
     assert draft.generation_stats.num_cycles > 0
+    # The served layout's config is a LlamaConfig, for which no registered class wins: the checkpoint's own class.
+    assert type(AutoModel.from_pretrained(saved_draft, trust_remote_code=True)).__module__.startswith(
+        "transformers_modules.")
 
     output = run_python(  # loaded as remote code before hf_eagle3 was imported: the checkpoint's own class
         f"""
@@ -329,6 +342,36 @@ def test_push_command_dry_run_lists_the_upload_prints_the_card_and_sends_nothing
     assert not create_repo.called and not commits
 
 
+def test_push_dry_run_of_a_draft_saved_in_hf_eagle3s_layout_lists_the_served_layouts_config(
+    mocked_hub, tmp_path, capsys, only_our_commands
+):
+    tiny_draft(target_name_or_path="org/target").save_pretrained(tmp_path, served_layout=False)
+    cli.main(["push", str(tmp_path), "org/eagle3-draft", "--dry-run"])
+    listed = capsys.readouterr().out.split("\nREADME.md:\n")[0]
+    assert re.search(r"  config\.json \(\d+ bytes, generated\)", listed)
+    assert all(f"  {name} (" in listed for name in SAVED_FILES)
+    cli.main(["push", str(tmp_path), "org/eagle3-draft", "--dry-run", "--hf-eagle3-layout"])
+    assert not re.search(r"config\.json \(\d+ bytes, generated\)", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("served_layout", [True, False])
+def test_push_uploads_one_repository_in_the_served_layout_unless_asked_for_hf_eagle3s(
+    mocked_hub, tmp_path, served_layout
+):
+    _, commits = mocked_hub
+    draft = tiny_draft(target_name_or_path="org/target")
+    draft.push_to_hub("org/eagle3-draft", served_layout=served_layout)
+    tiny_draft(target_name_or_path="org/target").save_pretrained(tmp_path, served_layout=False)
+    push_folder(tmp_path, "org/eagle3-draft", served_layout=served_layout)
+    for commit in commits:
+        config = json.loads(commit["files"]["config.json"])
+        assert config["model_type"] == ("llama" if served_layout else "eagle3")
+        assert SAVED_FILES <= set(commit["files"]) and "README.md" in commit["files"]
+        if served_layout:
+            assert config["architectures"] == ["LlamaForCausalLMEagle3"] and "hf_eagle3" in config
+    assert commits[0]["files"]["model.safetensors"] == commits[1]["files"]["model.safetensors"]
+
+
 def test_push_command_uploads_with_the_folder_results(mocked_hub, saved_draft, capsys, only_our_commands):
     _, commits = mocked_hub
     (saved_draft / "eagle3_results.json").write_text(json.dumps(RESULTS))
@@ -343,9 +386,11 @@ def _card(folder: Path, **kwargs) -> ModelCard:
     return ModelCard(upload_operations(folder, "org/eagle3-draft", **kwargs)[-1].path_or_fileobj.decode())
 
 
-def _record_target(folder: Path, target_name_or_path: str) -> None:
+def _record_target(folder: Path, target_name_or_path: str | None) -> None:
+    """Record another target in a draft saved in the served layout (hf-eagle3's settings under `hf_eagle3`)."""
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "target_name_or_path": target_name_or_path}))
+    config["hf_eagle3"]["target_name_or_path"] = target_name_or_path
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 def test_card_without_results_has_no_results_section(saved_draft):
@@ -385,18 +430,26 @@ def test_the_card_takes_the_license_of_the_target_when_its_card_is_at_hand(saved
 
 
 def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft):
-    config = json.loads((saved_draft / "config.json").read_text())
-    (saved_draft / "config.json").write_text(json.dumps({**config, "target_name_or_path": None}))
+    _record_target(saved_draft, None)
     with pytest.raises(ValueError, match="records no target .* --base-model ORG/NAME"):
         upload_operations(saved_draft, "org/eagle3-draft")
     assert _card(saved_draft, base_model="org/Llama-Tiny").data.base_model == "org/Llama-Tiny"
 
 
-def test_the_card_gives_serving_settings_from_the_drafts_tree_defaults(saved_draft):
+def test_the_card_serves_the_repository_by_its_id_with_the_drafts_tree_defaults(saved_draft):
     card = _card(saved_draft)  # tiny_draft: depth 4, top-k 3, 12 drafted tokens
+    assert "--speculative-draft-model-path org/eagle3-draft" in card.text
     assert "--speculative-num-steps 4 --speculative-eagle-topk 3 --speculative-num-draft-tokens 13" in card.text
-    assert '"method": "eagle3", "model": "draft-sglang", "num_speculative_tokens": 4' in card.text  # vLLM too
+    assert '"method": "eagle3", "model": "org/eagle3-draft", "num_speculative_tokens": 4' in card.text  # vLLM too
+    assert "hf-eagle3 convert" not in card.text
+    assert "`AutoModel` without `trust_remote_code=True` would build a plain `LlamaModel`" in card.text
+
+
+def test_the_card_of_a_draft_pushed_in_hf_eagle3s_own_layout_converts_it_for_serving(tmp_path):
+    tiny_draft(target_name_or_path="org/target").save_pretrained(tmp_path, served_layout=False)
+    card = _card(tmp_path, served_layout=False)
     assert "hf-eagle3 convert org/eagle3-draft draft-sglang --to sglang" in card.text
+    assert '"method": "eagle3", "model": "draft-sglang", "num_speculative_tokens": 4' in card.text
 
 
 def test_the_card_of_a_draft_sglang_cannot_serve_gives_the_speculators_export_for_vllm(tmp_path):
@@ -531,7 +584,7 @@ def test_push_refuses_links_to_files_outside_the_folder(saved_draft, tmp_path):
 
 def test_push_of_a_folder_that_is_no_draft_says_to_convert_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ConversionError, match="is not an hf-eagle3 draft .*hf-eagle3 convert"):
+    with pytest.raises(ConversionError, match="is not a draft saved by hf-eagle3 .*hf-eagle3 convert"):
         upload_operations(tmp_path, "org/eagle3-draft")
 
 

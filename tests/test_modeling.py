@@ -65,21 +65,25 @@ def test_config_rejects_unbuildable_shapes(fields, message):
         Eagle3Config(**fields)
 
 
-def test_save_and_load_round_trip_is_identical(tmp_path):
+@pytest.mark.parametrize("served_layout", [True, False])
+def test_save_and_load_round_trip_is_identical(tmp_path, served_layout):
     draft = tiny_draft(tree_depth=5, tree_top_k=2, tree_total_tokens=9)
     draft.attach_target_embedding(tiny_target().get_input_embeddings())
-    draft.save_pretrained(tmp_path)
+    draft.save_pretrained(tmp_path, served_layout=served_layout)
 
     saved = load_file(tmp_path / "model.safetensors")
     assert "embed_tokens.weight" not in saved  # shared with the target, not duplicated on disk
     assert {"d2t", "t2d", "fc.weight", "lm_head.weight", "midlayer.hidden_norm.weight"} <= set(saved)
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "eagle3"
+    model_type = json.loads((tmp_path / "config.json").read_text())["model_type"]
+    assert model_type == ("llama" if served_layout else "eagle3")
 
-    loaded = AutoModel.from_pretrained(tmp_path)
-    assert type(loaded) is Eagle3DraftModel
-    assert type(AutoConfig.from_pretrained(tmp_path)) is Eagle3Config
-    loaded_fields = {k: v for k, v in loaded.config.to_dict().items() if k != "_name_or_path"}
-    assert loaded_fields == {k: v for k, v in draft.config.to_dict().items() if k != "_name_or_path"}
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path)
+    if not served_layout:  # the serving engines' model_type is llama: the Auto classes build a LlamaModel there
+        assert type(AutoModel.from_pretrained(tmp_path)) is Eagle3DraftModel
+        assert type(AutoConfig.from_pretrained(tmp_path)) is Eagle3Config
+    layout_fields = ("_name_or_path", "architectures", "auto_map")  # what the files say, not the draft
+    loaded_fields = {k: v for k, v in loaded.config.to_dict().items() if k not in layout_fields}
+    assert loaded_fields == {k: v for k, v in draft.config.to_dict().items() if k not in layout_fields}
     assert (loaded.config.tree_depth, loaded.config.tree_top_k, loaded.config.tree_total_tokens) == (5, 2, 9)
     original_state = draft.state_dict()
     for name, tensor in loaded.state_dict().items():
@@ -234,7 +238,9 @@ def test_a_draft_vocabulary_mapped_outside_the_target_vocabulary_is_refused_on_l
     draft.set_draft_vocabulary(torch.tensor([3, 5, 17, 90]))
     with torch.no_grad():
         draft.d2t[3] = VOCAB  # draft id 3 -> target id VOCAB + 3
-    draft.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"outside the target vocabulary \\[0, {VOCAB}\\)"):
+        draft.save_pretrained(tmp_path)  # the served layout is checked as it is written
+    draft.save_pretrained(tmp_path, served_layout=False)
     with pytest.raises(ValueError, match=f"outside \\[0, {VOCAB}\\)"):
         Eagle3DraftModel.from_pretrained(tmp_path)
 

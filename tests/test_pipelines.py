@@ -1,5 +1,7 @@
 """EAGLE-3 drafts in transformers' `pipeline("text-generation", ...)`: passed as a model or as a path."""
 
+import json
+
 import pytest
 import torch
 from helpers import VOCAB, fit_draft, tiny_draft, tiny_target
@@ -8,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, pipeline
 
 from hf_eagle3 import Eagle3DraftModel
+from hf_eagle3.configuration_eagle3 import is_served_layout
 
 PROMPT = "w5 w17 w9 w33"
 GREEDY = {"max_new_tokens": 24, "do_sample": False}
@@ -49,6 +52,7 @@ def test_text_generation_pipeline_runs_eagle3_with_the_draft_as_assistant_model(
 
 def test_a_draft_given_to_the_pipeline_as_a_path_is_loaded_in_the_targets_dtype(target, draft, tokenizer, tmp_path):
     draft.to(torch.bfloat16).save_pretrained(tmp_path)
+    assert is_served_layout(json.loads((tmp_path / "config.json").read_text()))  # the layout the engines load
     expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(PROMPT, **GREEDY)
     eagle = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path))
     loaded = eagle.assistant_model
@@ -68,7 +72,7 @@ def test_the_pipeline_refuses_a_draft_for_another_target_or_an_assistant_tokeniz
 
 def test_a_draft_in_sglang_format_given_to_the_pipeline_as_a_path_equals_plain_greedy(target, draft, tokenizer,
                                                                                        tmp_path):
-    draft.save_pretrained(tmp_path / "hub")
+    draft.save_pretrained(tmp_path / "hub", served_layout=False)
     convert(tmp_path / "hub", tmp_path / "sglang", to_format="sglang")
     expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(PROMPT, **GREEDY)
     eagle = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path / "sglang"))

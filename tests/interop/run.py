@@ -2,10 +2,11 @@
 
 Import: drafts built and saved by each library's own classes are loaded by `Eagle3DraftModel.from_pretrained`.
 Export: drafts built by hf-eagle3 (a tiny `hf-eagle3 train` run among them) are exported and loaded by each library's
-own loader. Either way the logits and the fed-back state of two training-time-test steps (the draft step and the one
-after it, as the library's forward runs them) are compared in float32, tolerance 1e-5. The libraries run in their own
-virtualenv (.interop-venv, created on first use: it needs the package registry), since they pin other transformers
-versions than hf-eagle3; this script runs in hf-eagle3's. Prints a table; exits non-zero on any mismatch.
+own loader, and SpecForge's loader also loads the folders `save_pretrained` wrote in the served layout as they are.
+Either way the logits and the fed-back state of two training-time-test steps (the draft step and the one after it, as
+the library's forward runs them) are compared in float32, tolerance 1e-5. The libraries run in their own virtualenv
+(.interop-venv, created on first use: it needs the package registry), since they pin other transformers versions than
+hf-eagle3; this script runs in hf-eagle3's. Prints a table; exits non-zero on any mismatch.
 """
 
 import json
@@ -155,9 +156,17 @@ def exported_cases(work: Path, target: LlamaForCausalLM, inputs: dict) -> dict[s
         convert(saved, folder, to_format=format_name, target_embedding=work / "target")
         draft = Eagle3DraftModel.from_pretrained(saved)
         draft.attach_target_embedding(embedding)
-        save_file(hf_eagle3_outputs(draft, inputs), folder / "hf_eagle3.safetensors")
-        cases[case] = {"library": LOADER[format_name], "folder": str(folder), "format": format_name,
-                       "steps": compared_steps(draft.config, LOADER[format_name])}
+        outputs = hf_eagle3_outputs(draft, inputs)
+        steps = compared_steps(draft.config, LOADER[format_name])
+        # The folder save_pretrained wrote, loaded as it is: the layout the engines serve by id (drafts it cannot
+        # express are saved in hf-eagle3's own layout, and only exported).
+        loaded_as_saved = {f"{case}, as saved": saved} if json.loads((saved / "config.json").read_text()).get(
+            "architectures") == ["LlamaForCausalLMEagle3"] and format_name == "sglang" else {}
+        for name, case_folder in {case: folder, **loaded_as_saved}.items():
+            save_file(outputs, case_folder / "hf_eagle3.safetensors")
+            direction = "save_pretrained" if case_folder == saved else f"export --to {format_name}"
+            cases[name] = {"library": LOADER[format_name], "folder": str(case_folder), "format": format_name,
+                           "direction": direction, "steps": steps}
     (work / "cases.json").write_text(json.dumps(cases, indent=1))
     return cases
 
@@ -185,8 +194,7 @@ def main() -> int:
             ours = load_file(Path(entry["folder"]) / "hf_eagle3.safetensors")
             theirs = load_file(Path(entry["folder"]) / "library.safetensors")
             steps = entry["steps"]
-            rows.append((f"export --to {entry['format']}", entry["library"], label(case, steps),
-                         difference(ours, theirs, steps)))
+            rows.append((entry["direction"], entry["library"], label(case, steps), difference(ours, theirs, steps)))
         versions = json.loads((work / "versions-run.json").read_text())
 
     print(f"\nhf-eagle3 vs speculators {versions['speculators']}, specforge {versions['specforge']} (torch "
