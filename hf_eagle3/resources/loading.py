@@ -147,7 +147,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype_default: str = "f
     parser.add_argument("--target", default="smollm2", help="model path / Hub id, or 'smollm2' (embedded)")
     parser.add_argument("--draft", default="shipped", help="draft path / Hub id, or 'shipped'")
     parser.add_argument("--dtype", choices=list(DTYPES), default=dtype_default,
-                        help="bfloat16 is fast only on CPUs with native bf16 matrix units (AMX) and on GPUs")
+                        help="bfloat16 is fast only on CPUs with bf16 units (AMX, avx512_bf16) and on GPUs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device the models run on")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
