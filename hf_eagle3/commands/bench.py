@@ -188,12 +188,12 @@ def run_benchmark(
         base_kwargs.update(return_dict_in_generate=True, output_scores=True)
 
     # plain:DTYPE decodes with its own copy of the target (dtype and weights' layout as the target's otherwise)
-    models = {None: target} | {method.dtype: copy.deepcopy(target).to(method.dtype) for method in methods
-                               if method.dtype is not None and method.dtype != target.dtype}
+    copies = {method.dtype: copy.deepcopy(target).to(method.dtype) for method in methods
+              if method.dtype is not None and method.dtype != target.dtype}
 
     def decode(method: Method, input_ids: torch.Tensor):
         assistant = {"assistant_model": draft} if method.is_eagle3 else {}
-        model = models.get(method.dtype, target)
+        model = copies.get(method.dtype, target)
         start = time.perf_counter()
         output = model.generate(input_ids, **base_kwargs, **method.generate_kwargs, **assistant)
         seconds = time.perf_counter() - start

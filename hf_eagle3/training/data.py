@@ -168,15 +168,14 @@ def _iter_json_array(path: Path, skipped: SkipCounts, records: range) -> Iterato
             if index in records:
                 skipped.skip("truncated record at end of file", where)
             return
-        if index not in records:
-            reason = "outside --records"
-        elif reason is None and end - position > MAX_RECORD_BYTES:
+        if index not in records:  # before the range: neither kept nor counted
+            position = end
+            continue
+        if reason is None and end - position > MAX_RECORD_BYTES:
             reason = f"record over {MAX_RECORD_BYTES} bytes"
         elif reason is None and not text[position:end].isascii() and _has_undecodable_bytes(text[position:end]):
             reason = "invalid UTF-8"
-        if reason == "outside --records":
-            pass
-        elif reason is not None:
+        if reason is not None:
             skipped.skip(reason, where)
         else:
             yield line, record
