@@ -192,6 +192,33 @@ def test_init_draft_continues_from_a_trained_draft_and_its_vocabulary(dataset, t
                          draft_vocab_size=32), target=target, progress=False)
 
 
+def test_a_draft_started_from_the_target_s_last_layer_computes_it_on_the_last_tapped_layer(dataset, target, tmp_path):
+    config = config_for(dataset, tmp_path, intermediate_size=target.config.intermediate_size)
+    draft = trainer_module.build_draft(trainer_module.draft_config_for(target, config), target,
+                                       torch.arange(64), init_head=True, init_layer=True)
+    width = draft.config.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):  # what reads the token embedding keeps a fresh initialisation
+            assert getattr(draft.midlayer.self_attn, name).weight[:, :width].abs().sum() > 0
+            getattr(draft.midlayer.self_attn, name).weight[:, :width].zero_()
+        input_ids = torch.randint(1, VOCAB, (1, 7))
+        hidden = target(input_ids, output_hidden_states=True).hidden_states
+        taps = [hidden[layer + 1] for layer in draft.config.target_layer_ids]
+        output = draft(input_ids=input_ids, hidden_states=torch.cat(taps, dim=-1), use_cache=False)
+        last_layer = target.model.layers[-1]
+        positions = torch.arange(7)[None]
+        expected = last_layer(taps[-1], attention_mask=None, position_ids=positions,
+                              position_embeddings=target.model.rotary_emb(taps[-1], positions))
+    torch.testing.assert_close(output.hidden_states, expected)
+
+    with pytest.raises(ValueError, match="--intermediate-size"):
+        narrow = config_for(dataset, tmp_path, intermediate_size=32)
+        trainer_module.build_draft(trainer_module.draft_config_for(target, narrow), target, torch.arange(64),
+                                   init_head=True, init_layer=True)
+    with pytest.raises(ValueError, match="pass one of them"):
+        config_for(dataset, tmp_path, init_draft=str(tmp_path), init_layer_from_target=True)
+
+
 def test_precomputed_features_match_online_ones(dataset, target, tmp_path):
     examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1]), Example([], [4, 6, 8], [0, 1, 1])]
     batch = collate(examples, [0, 1], pad_token_id=0)

@@ -81,7 +81,7 @@ FIXED_SETTINGS = {
                         "max_length"),
     "defines the draft the checkpoint holds, or the target it learns from": (
         "target", "draft_vocab_size", "intermediate_size", "fc_norm", "norm_before_residual", "init_draft",
-        "init_head_from_target"),
+        "init_head_from_target", "init_layer_from_target"),
     "defines the training loss": ("ttt_steps", "step_decay"),
     "defines the optimizer whose state the checkpoint holds": (
         "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm"),
@@ -142,6 +142,9 @@ class TrainConfig:
                                               "evaluation); default: all")
     log_every: int = _setting(10, "record the training loss in history.json every N optimizer steps")
     init_head_from_target: bool = _setting(True, "lm_head / norm start as the target's rows for the draft vocabulary")
+    init_layer_from_target: bool = _setting(False, "the decoder layer starts as the target's last (attention and MLP "
+                                                   "weights, norms; q / k / v read the fused feature with the "
+                                                   "target's weights) and fc passes the last tapped layer through")
     init_draft: str | None = _setting(None, "start from this trained draft (weights and draft vocabulary), e.g. to "
                                             "continue a 1-step run with TTT steps or to fine-tune a released draft on "
                                             "new data; its shape wins over the size settings")
@@ -182,6 +185,9 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.weight_decay < 0:
             problems.append(f"--warmup-steps and --weight-decay must be >= 0, got {self.warmup_steps} and "
                             f"{self.weight_decay}")
+        if self.init_draft is not None and self.init_layer_from_target:
+            problems.append("--init-layer-from-target starts a fresh draft from the target, --init-draft from a "
+                            "trained draft: pass one of them")
         if self.save_dtype not in SAVE_DTYPES:
             problems.append(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if problems:
@@ -315,18 +321,50 @@ def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
     return draft_config
 
 
-def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: torch.Tensor, init_head: bool):
+def build_draft(config: Eagle3Config, target: PreTrainedModel, draft_token_ids: torch.Tensor, init_head: bool,
+                init_layer: bool = False):
     """A fresh draft on the target's embedding (frozen), with its vocabulary set; optionally its `lm_head` / `norm`
-    copied from the target's rows for the draft vocabulary, so its output space starts as the target's."""
+    copied from the target's rows for the draft vocabulary, so its output space starts as the target's, and its
+    decoder layer from the target's last (`init_layer_from_target`)."""
     draft = Eagle3DraftModel(config)
     draft.attach_target_embedding(target.get_input_embeddings())
     draft.embed_tokens.weight.requires_grad_(False)
     draft.set_draft_vocabulary(draft_token_ids)
-    if init_head:
-        with torch.no_grad():
+    with torch.no_grad():
+        if init_head:
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[draft.draft_to_target])
             draft.norm.weight.copy_(target.model.norm.weight)
+        if init_layer:
+            init_layer_from_target(draft, target)
     return draft
+
+
+@torch.no_grad()
+def init_layer_from_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
+    """Start `draft` as the target's last decoder layer run on the target's last tapped layer: `fc` passes that
+    layer's hidden states through (`[l ; m ; h] -> h`); the decoder layer takes the target layer's attention and MLP
+    weights and norms, its q / k / v projections reading the fused feature with the target's weights (the columns
+    reading the token embedding keep their fresh initialisation, and the embedding's norm starts at ones)."""
+    config, layers = draft.config, getattr(getattr(target, "model", None), "layers", None)
+    problem = None
+    if layers is None or not hasattr(layers[-1], "self_attn") or not hasattr(layers[-1], "mlp"):
+        problem = "the target has no Llama-style decoder layers (model.layers[i].self_attn / .mlp)"
+    elif config.num_hidden_layers != 1 or config.target_hidden_size != config.hidden_size:
+        problem = "the draft is not one decoder layer as wide as the target"
+    elif config.intermediate_size != getattr(target.config.get_text_config(), "intermediate_size", None):
+        problem = "the draft's MLP is not as wide as the target's (--intermediate-size)"
+    if problem:
+        raise ValueError(f"--init-layer-from-target copies the target's last decoder layer, but {problem}: train "
+                         "without --init-layer-from-target, or with the target's layer shape.")
+    source, layer, width = layers[-1], draft.midlayer, config.hidden_size
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, 2 * width:].copy_(torch.eye(width))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(layer.self_attn, name).weight[:, width:].copy_(getattr(source.self_attn, name).weight)
+    layer.self_attn.o_proj.load_state_dict(source.self_attn.o_proj.state_dict())
+    layer.mlp.load_state_dict(source.mlp.state_dict())
+    layer.hidden_norm.weight.copy_(source.input_layernorm.weight)
+    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
 
 
 def load_initial_draft(config: TrainConfig, target: PreTrainedModel) -> Eagle3DraftModel:
@@ -748,7 +786,7 @@ def train(
     accelerator.wait_for_everyone()
     draft_token_ids = load_draft_vocabulary(vocabulary_path)
     init_head = config.init_head_from_target and initial_draft is None
-    draft = build_draft(draft_config, target, draft_token_ids, init_head)
+    draft = build_draft(draft_config, target, draft_token_ids, init_head, config.init_layer_from_target)
     if initial_draft is not None:
         if not torch.equal(draft_token_ids, initial_draft.draft_to_target):
             raise ValueError(f"{vocabulary_path} is not the draft vocabulary of --init-draft {config.init_draft}.")
