@@ -157,6 +157,19 @@ def test_auto_decodes_with_the_predicted_fastest_shape(cache, llama_target, auto
     assert auto_draft.generation_stats.settings == choice.settings and auto_draft.generation_stats.num_cycles > 0
 
 
+def test_a_call_s_predicted_speedup_is_diluted_by_its_prefill_and_reaches_the_decoding_one_for_long_answers(
+        cache, llama_target, auto_draft):
+    calibrate(llama_target, auto_draft, measure=Measure(plain_step=0.05, verify=0.04, draft=0.01))
+    choice = choose_tree(llama_target, auto_draft)
+    tau = choice.prediction.tau
+    assert choice.predicted_speedup == pytest.approx(tau * 0.05 / 0.05)  # a cycle costs a decode step here
+    assert choice.call_speedup(1, prefill_seconds=0.5) == 1.0  # the prefill's token alone: nothing to speed up
+    assert choice.call_speedup(65, prefill_seconds=0.0) == pytest.approx(choice.predicted_speedup)
+    assert choice.call_speedup(65, prefill_seconds=0.5) == pytest.approx((0.5 + 64 * 0.05) / (0.5 + 64 * 0.05 / tau))
+    assert choice.call_speedup(65, prefill_seconds=0.5, tau=1.0) == pytest.approx(1.0)  # at τ 1 a cycle is a step
+    assert 1.0 < choice.call_speedup(65, 0.5) < choice.call_speedup(100_000, 0.5) < choice.predicted_speedup
+
+
 def test_tree_settings_of_a_call_override_auto(cache, llama_target, auto_draft):
     llama_target.generate(PROMPT, max_new_tokens=8, do_sample=False, assistant_model=auto_draft, tree_top_k=1)
     assert auto_draft.generation_stats.settings.top_k == 1 and not cache.exists()  # nothing calibrated

@@ -8,17 +8,29 @@ import torch
 
 from hf_eagle3.commands.cli import build_parser
 from hf_eagle3.commands.demo import DEMO_PROMPTS_PER_SET, _comparison, _describe_comparison, demo_prompts
-from hf_eagle3.resources.prompts import humaneval_prompts, mt_bench_first_turns
+from hf_eagle3.resources.prompts import calibration_prompts, humaneval_prompts, mt_bench_first_turns, mt_bench_questions
 
 
-def test_the_demo_prompts_are_the_first_mt_bench_and_humaneval_prompts():
+def test_the_demo_prompts_cover_every_mt_bench_category_and_spread_over_humaneval():
     prompts = demo_prompts()
     assert [prompt_set for prompt_set, _ in prompts] == ["mt-bench"] * DEMO_PROMPTS_PER_SET + [
         "humaneval"] * DEMO_PROMPTS_PER_SET
-    assert [text for _, text in prompts] == (mt_bench_first_turns()[:DEMO_PROMPTS_PER_SET]
-                                             + humaneval_prompts()[:DEMO_PROMPTS_PER_SET])
+    questions = {question["turns"][0]: question["category"] for question in mt_bench_questions()}
+    assert len({questions[text] for prompt_set, text in prompts if prompt_set == "mt-bench"}) == 8
+    assert [humaneval_prompts().index(text) for prompt_set, text in prompts if prompt_set == "humaneval"] == list(
+        range(0, 160, 20))
+
+
+def test_the_calibration_prompts_are_spread_over_both_sets_and_none_the_demo_or_benchmark_uses():
+    calibration = calibration_prompts()
+    questions = {question["turns"][0]: question["category"] for question in mt_bench_questions()}
+    categories = sorted(questions[text] for text in calibration if text in questions)
+    assert categories == sorted([*set(questions.values())] * 2)
+    assert len(calibration) == 32
+    benchmark = mt_bench_first_turns()[:8] + humaneval_prompts()[:8]
+    assert not set(calibration) & (set(benchmark) | {text for _, text in demo_prompts()})
     args = build_parser().parse_args(["demo"])
-    assert (args.prompts_per_set, args.max_new_tokens, args.repetitions, args.cpu_layout) == (4, 64, 2, False)
+    assert (args.prompts_per_set, args.max_new_tokens, args.repetitions, args.cpu_layout) == (8, 64, 2, False)
     assert build_parser().parse_args(["demo", "--cpu-layout"]).cpu_layout
 
 

@@ -6,17 +6,19 @@ calibration (`calibration.choose_tree`, cached) measures this machine's decode s
 and predicts the fastest tree shape; the demo decodes in the dtype predicted fastest, and compares with plain
 decoding in every candidate dtype, interleaved, after a warm-up of every method on the first prompt.
 
-The prompts are those the README reports on: the first MT-bench first turns (chat) and HumanEval problems (code),
-`DEMO_PROMPTS_PER_SET` of each; the speedup line is the median over them. Greedy outputs are compared with plain
+The prompts come from the sets the README reports on, `DEMO_PROMPTS_PER_SET` of each, spread over them
+(`prompts.spread`): the first question of every MT-bench category (chat: writing to humanities) and HumanEval problems
+0, 20, ..., 140 (code). The acceptance profile the prediction reads was measured on other prompts spread over the same
+sets (`prompts.calibration_prompts`). The speedup line is the median over them. Greedy outputs are compared with plain
 decoding in the same dtype (`bench.first_divergence`): in reduced precision a prompt whose output parts from plain
 decoding is reported with where, how many tokens differ from there, and at what logit gap (a near-tie when the two
 computations disagree by at most `bench.NEAR_TIE_LOGITS`). `--cpu-layout` lays the linear weights out column-major
 first (`hf_eagle3.optimize`), for plain decoding and EAGLE-3 alike.
 
-Its cost, counted in target forwards (about 50 ms each for SmolLM2 on two CPU cores): per dtype a calibration (about
-twenty seconds), then (prompts x repetitions + 1 warm-up) x (max_new_tokens per plain dtype + about max_new_tokens / τ
-EAGLE-3 cycles): with the defaults (8 prompts, 2 repetitions, 64 tokens, 2 dtypes) about 17 x 160 = 2,700 forwards,
-so about four minutes in all.
+Its cost, counted in target forwards (about 50-90 ms each for SmolLM2 on two CPU cores): per dtype a calibration
+(about twenty seconds), then (prompts x repetitions + 1 warm-up) x (max_new_tokens per plain dtype + about
+max_new_tokens / τ EAGLE-3 cycles): with the defaults (16 prompts, 2 repetitions, 64 tokens, 2 dtypes) about
+33 x 160 = 5,300 forwards, so about seven minutes in all.
 """
 
 import argparse
@@ -28,16 +30,16 @@ import torch
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description
 from ..decoding.cpu_layout import optimize
 from ..resources.loading import DTYPES, load_draft, load_target
-from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns
+from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns, spread
 from .bench import NEAR_TIE_LOGITS, first_divergence
 
-DEMO_PROMPTS_PER_SET = 4
+DEMO_PROMPTS_PER_SET = 8
 
 
 def demo_prompts(per_set: int = DEMO_PROMPTS_PER_SET) -> list[tuple[str, str]]:
-    """`(set, user message)`: the first `per_set` MT-bench first turns and HumanEval problems."""
-    return ([("mt-bench", text) for text in mt_bench_first_turns()[:per_set]]
-            + [("humaneval", text) for text in humaneval_prompts()[:per_set]])
+    """`(set, user message)`: `per_set` MT-bench first turns and HumanEval problems each, spread over the set."""
+    return ([("mt-bench", text) for text in spread(mt_bench_first_turns(), per_set)]
+            + [("humaneval", text) for text in spread(humaneval_prompts(), per_set)])
 
 
 def _timed(function, *args) -> tuple[float, object]:
@@ -100,7 +102,8 @@ def run_demo(
     eagle(encoded[0][2])
     runs = []
     for prompt_set, text, input_ids in encoded:
-        plain_seconds, plain_outputs, eagle_seconds, taus, switched = {name: [] for name in dtypes}, {}, [], [], False
+        plain_seconds, plain_outputs, eagle_seconds, prefills = {name: [] for name in dtypes}, {}, [], []
+        taus, switched = [], False
         for _ in range(repetitions):  # interleaved, so that machine noise hits every method alike
             for name in dtypes:
                 seconds, plain_outputs[name] = _timed(plain, name, input_ids)
@@ -108,6 +111,7 @@ def run_demo(
             seconds, eagle_output = _timed(eagle, input_ids)
             eagle_seconds.append(seconds)
             stats = eagle_output.eagle3_stats
+            prefills.append(stats.prefill_seconds)
             taus.append(stats.mean_acceptance_length if stats.settings else 1.0)
             switched |= "went on plainly" in (stats.shape_choice or "")
         prompt_length = input_ids.shape[1]
@@ -124,6 +128,7 @@ def run_demo(
             "eagle_tokens_per_second": new_tokens / statistics.median(eagle_seconds),
             "plain_seconds": {name: statistics.median(times) for name, times in plain_seconds.items()},
             "eagle_seconds": statistics.median(eagle_seconds),
+            "prefill_seconds": statistics.median(prefills),
             "tau": statistics.median(taus),
             "switched_to_plain": switched,
         })
@@ -134,6 +139,7 @@ def run_demo(
         run["speedup_same_dtype"] = run["plain_seconds"][chosen] / run["eagle_seconds"]
     by_set = {prompt_set: statistics.median(run["speedup"] for run in runs if run["set"] == prompt_set)
               for prompt_set in dict.fromkeys(run["set"] for run in runs)}
+    measured = statistics.median(run["speedup_same_dtype"] for run in runs)
     return {
         "machine": machine_description(),
         "threads": torch.get_num_threads(),
@@ -143,8 +149,27 @@ def run_demo(
         "runs": runs,
         "speedup": statistics.median(run["speedup"] for run in runs),
         "speedup_by_set": by_set,
-        "speedup_same_dtype": statistics.median(run["speedup_same_dtype"] for run in runs),
-        "predicted_speedup": choices[chosen].predicted_speedup,
+        "speedup_same_dtype": measured,
+        "prediction": call_prediction(choices[chosen], runs, measured),
+    }
+
+
+def call_prediction(choice: TreeChoice, runs: list[dict], measured_speedup: float) -> dict:
+    """What the calibration predicted for the demo's calls against what they measured (`measured_speedup`, the median
+    over `runs` of the speedup over plain decoding in the same dtype): per call the speedup the calibration predicts
+    for its answer length after its prefill (`TreeChoice.call_speedup`, with the profile's τ, and with the τ the call
+    measured), medians over the calls, and the error of each."""
+    predicted = statistics.median(choice.call_speedup(run["new_tokens"], run["prefill_seconds"]) for run in runs)
+    at_measured_tau = statistics.median(choice.call_speedup(run["new_tokens"], run["prefill_seconds"], run["tau"])
+                                        for run in runs)
+    return {
+        "decoding_speedup": choice.predicted_speedup,  # the calibration's, for long answers (no prefill)
+        "predicted_tau": choice.prediction.tau if choice.prediction else 1.0,
+        "measured_tau": statistics.median(run["tau"] for run in runs),
+        "predicted_speedup": predicted,
+        "prediction_error": predicted / measured_speedup - 1,
+        "predicted_speedup_at_measured_tau": at_measured_tau,
+        "cost_model_error": at_measured_tau / measured_speedup - 1,
     }
 
 
@@ -198,7 +223,7 @@ def _run(args: argparse.Namespace) -> None:
                  else ""))
         print(f"  {_describe_comparison(run['comparison'], chosen)}")
     print()
-    predicted, measured = result["predicted_speedup"], result["speedup_same_dtype"]
+    prediction, measured = result["prediction"], result["speedup_same_dtype"]
     sets = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in result["speedup_by_set"].items())
     if result["choices"][chosen].settings is None:
         print(f"EAGLE-3 decoded plainly here, so there is no speedup to show: the measured ratio to plain {fastest}, "
@@ -206,8 +231,12 @@ def _run(args: argparse.Namespace) -> None:
     else:
         print(f"speedup over the fastest plain decoding here ({fastest}): {result['speedup']:.2f}x, the median over "
               f"{len(result['runs'])} prompts ({sets}) of {args.repetitions} interleaved runs each")
-        print(f"over plain {chosen}: measured {measured:.2f}x, predicted by the calibration {predicted:.2f}x "
-              f"({100 * (predicted - measured) / measured:+.0f} %)")
+        print(f"over plain {chosen}: measured {measured:.2f}x; predicted by the calibration "
+              f"{prediction['predicted_speedup']:.2f}x ({100 * prediction['prediction_error']:+.0f} %): "
+              f"{prediction['decoding_speedup']:.2f}x for decoding at the acceptance profile's τ "
+              f"{prediction['predicted_tau']:.2f}, less for calls of {args.max_new_tokens} tokens after their prefill; "
+              f"at the τ each call measured (median {prediction['measured_tau']:.2f}), "
+              f"{prediction['predicted_speedup_at_measured_tau']:.2f}x ({100 * prediction['cost_model_error']:+.0f} %)")
     parted = [run["comparison"] for run in result["runs"] if not run["comparison"]["identical"]]
     if parted:
         near_ties = sum(1 for comparison in parted if comparison.get("near_tie"))
@@ -221,9 +250,9 @@ def register_cli(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="EAGLE-3 vs plain generate on the embedded SmolLM2 target.",
                                    description=__doc__)
     parser.add_argument("--prompt", action="append",
-                        help="a user message (repeatable; default: the first MT-bench and HumanEval prompts)")
+                        help="a user message (repeatable; default: MT-bench and HumanEval prompts, spread over each)")
     parser.add_argument("--prompts-per-set", type=int, default=DEMO_PROMPTS_PER_SET,
-                        help="MT-bench and HumanEval prompts each, without --prompt")
+                        help="MT-bench and HumanEval prompts each, spread over the set, without --prompt")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: the dtype EAGLE-3 is predicted fastest in on this machine, measured")

@@ -179,6 +179,18 @@ class TreeChoice:
         """The chosen shape's prediction (`None` when decoding plainly)."""
         return self.predictions[0] if self.settings is not None else None
 
+    def call_speedup(self, new_tokens: int, prefill_seconds: float, tau: float | None = None) -> float:
+        """The predicted speedup of a whole `generate` call over plain decoding: both pay the same prefill
+        (`prefill_seconds`, which also gives the first token); then plain decoding takes a decode step per further
+        token, EAGLE-3 a cycle per `tau` of them (default: the profile's). `predicted_speedup` is its limit for long
+        answers; for short ones the prefill dilutes it."""
+        prediction = self.prediction
+        if prediction is None or self.costs is None:
+            return 1.0
+        decoded = max(new_tokens - 1, 0)
+        return ((prefill_seconds + decoded * self.costs.plain_step)
+                / (prefill_seconds + decoded * prediction.cycle_seconds / (tau or prediction.tau)))
+
 
 def profile_problem(profile, draft_vocab_size: int) -> str | None:
     """What makes an acceptance profile unusable here (`None`: nothing): every row a shape whose sizes are integers

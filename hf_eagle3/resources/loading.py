@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..conversion import UnknownFormatError
 from ..modeling_eagle3 import Eagle3DraftModel
-from .prompts import chat_input_ids, humaneval_prompts, mt_bench_questions
+from .prompts import calibration_prompts, chat_input_ids, humaneval_prompts, mt_bench_questions
 
 SHIPPED_DRAFT = Path(__file__).parents[1] / "assets" / "smollm2-eagle3"
 PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval", "calibration")
@@ -99,15 +99,14 @@ def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtyp
 
 
 def prompt_texts(name: str) -> list[str]:
-    """User messages of a prompt set: `mt-bench` (first turns), `humaneval`, `calibration` (MT-bench questions 61-70
-    and HumanEval problems 100-109, which the benchmark's first prompts never reach), or a JSONL file of
-    `{"prompt": ...}` or MT-bench-style `{"turns": [...]}` records."""
+    """User messages of a prompt set: `mt-bench` (first turns), `humaneval`, `calibration` (`calibration_prompts`),
+    or a JSONL file of `{"prompt": ...}` or MT-bench-style `{"turns": [...]}` records."""
     if name == "mt-bench":
         return [question["turns"][0] for question in mt_bench_questions()]
     if name == "humaneval":
         return humaneval_prompts()
     if name == "calibration":
-        return prompt_texts("mt-bench")[60:70] + prompt_texts("humaneval")[100:110]
+        return calibration_prompts()
     path = Path(name)
     if not path.is_file():
         raise FileNotFoundError(f"Unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file.")

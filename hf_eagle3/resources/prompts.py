@@ -32,6 +32,21 @@ def humaneval_prompts() -> list[str]:
     return [f"Complete the following Python function.\n\n```python\n{problem['prompt']}```" for problem in problems]
 
 
+def spread(texts: list[str], count: int) -> list[str]:
+    """`count` of `texts` evenly spread from the first: one per MT-bench category for 8 of its 80 questions (ten per
+    category, in order), HumanEval problems 0, 20, ..., 140 for 8 of its 164."""
+    return texts[:: max(len(texts) // count, 1)][:count]
+
+
+def calibration_prompts() -> list[str]:
+    """The prompts acceptance profiles are measured on (the `calibration` set): the 9th and 10th question of every
+    MT-bench category and HumanEval problems 8, 9, 28, 29, ..., 148, 149 (16 of each). Spread over both sets as the
+    demo's prompts are (`spread`), so that their τ is what the profile leads one to expect, and none of those or of
+    the benchmark's first prompts."""
+    return ([text for index, text in enumerate(mt_bench_first_turns()) if index % 10 in (8, 9)]
+            + [text for index, text in enumerate(humaneval_prompts()) if index % 20 in (8, 9)])
+
+
 def chat_input_ids(tokenizer, user_message: str):
     """`[1, L]` token ids of a single-turn chat with `user_message`, ready for the assistant's answer."""
     messages = [{"role": "user", "content": user_message}]
