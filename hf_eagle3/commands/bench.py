@@ -238,6 +238,7 @@ def run_benchmark(
                     run = stats[method.name]
                     record.update(
                         acceptance_lengths=run.acceptance_lengths,
+                        prefill_seconds=run.prefill_seconds,
                         draft_seconds=run.draft_seconds,
                         verify_seconds=run.verify_seconds,
                         other_seconds=run.other_seconds,
@@ -255,19 +256,22 @@ def run_benchmark(
     return summarise(records, methods, greedy, choices)
 
 
-def prediction_entry(choice: TreeChoice, measured_speedup: float, measured_tau: float) -> dict:
-    """What the calibration predicted for an `auto` method, against what it measured on a set: the predicted speedup
-    (the acceptance profile's τ over the predicted cycle time), the speedup the same cycle time gives at the measured
-    τ, and the error of each relative to the measured speedup."""
+def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[tuple[int, float, float]]) -> dict:
+    """What the calibration predicted for an `auto` method against what it measured: `calls` holds each call's new
+    tokens, prefill seconds and measured τ, `measured_speedup` their median speedup over plain decoding. Per call the
+    speedup the calibration predicts for its answer length after its prefill (`TreeChoice.call_speedup`), with the
+    acceptance profile's τ and with the call's own; the medians over the calls, and the error of each."""
+    predicted = statistics.median(choice.call_speedup(tokens, prefill) for tokens, prefill, _ in calls)
+    at_measured_tau = statistics.median(choice.call_speedup(tokens, prefill, tau) for tokens, prefill, tau in calls)
     prediction = choice.prediction
-    at_measured_tau = (measured_tau * choice.costs.plain_step / prediction.cycle_seconds
-                       if prediction is not None else 1.0)
     return {
-        "predicted_speedup": choice.predicted_speedup,
+        "predicted_speedup": predicted,
+        "decoding_speedup": choice.predicted_speedup,  # the calibration's for long answers, no prefill
         "predicted_tau": prediction.tau if prediction is not None else 1.0,
         "predicted_cycle_ms": 1000 * prediction.cycle_seconds if prediction is not None else None,
+        "measured_tau": statistics.median(tau for _, _, tau in calls),
         "predicted_speedup_at_measured_tau": at_measured_tau,
-        "prediction_error": choice.predicted_speedup / measured_speedup - 1,
+        "prediction_error": predicted / measured_speedup - 1,
         "cost_model_error": at_measured_tau / measured_speedup - 1,
     }
 
@@ -296,7 +300,10 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 # tree_shape="auto" decoded plainly: one token per target forward
                 entry["tau"] = sum(lengths) / cycles if cycles else 1.0
                 if method.name in choices:
-                    entry.update(prediction_entry(choices[method.name], entry["speedup"], entry["tau"]))
+                    calls = [(r["new_tokens"], r["prefill_seconds"],
+                              sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"]) if r["acceptance_lengths"]
+                              else 1.0) for r in rows]
+                    entry.update(prediction_entry(choices[method.name], entry["speedup"], calls))
                 if not cycles:
                     entry.update(n_alpha=[], accepted_length_histogram={})
                     summary.setdefault(set_name, {})[method.name] = entry

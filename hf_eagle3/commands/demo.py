@@ -31,7 +31,7 @@ from ..decoding.calibration import TreeChoice, choose_tree, machine_description
 from ..decoding.cpu_layout import optimize
 from ..resources.loading import DTYPES, load_draft, load_target
 from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns, spread
-from .bench import NEAR_TIE_LOGITS, first_divergence
+from .bench import NEAR_TIE_LOGITS, first_divergence, prediction_entry
 
 DEMO_PROMPTS_PER_SET = 8
 
@@ -150,26 +150,8 @@ def run_demo(
         "speedup": statistics.median(run["speedup"] for run in runs),
         "speedup_by_set": by_set,
         "speedup_same_dtype": measured,
-        "prediction": call_prediction(choices[chosen], runs, measured),
-    }
-
-
-def call_prediction(choice: TreeChoice, runs: list[dict], measured_speedup: float) -> dict:
-    """What the calibration predicted for the demo's calls against what they measured (`measured_speedup`, the median
-    over `runs` of the speedup over plain decoding in the same dtype): per call the speedup the calibration predicts
-    for its answer length after its prefill (`TreeChoice.call_speedup`, with the profile's τ, and with the τ the call
-    measured), medians over the calls, and the error of each."""
-    predicted = statistics.median(choice.call_speedup(run["new_tokens"], run["prefill_seconds"]) for run in runs)
-    at_measured_tau = statistics.median(choice.call_speedup(run["new_tokens"], run["prefill_seconds"], run["tau"])
-                                        for run in runs)
-    return {
-        "decoding_speedup": choice.predicted_speedup,  # the calibration's, for long answers (no prefill)
-        "predicted_tau": choice.prediction.tau if choice.prediction else 1.0,
-        "measured_tau": statistics.median(run["tau"] for run in runs),
-        "predicted_speedup": predicted,
-        "prediction_error": predicted / measured_speedup - 1,
-        "predicted_speedup_at_measured_tau": at_measured_tau,
-        "cost_model_error": at_measured_tau / measured_speedup - 1,
+        "prediction": prediction_entry(choices[chosen], measured,
+                                       [(run["new_tokens"], run["prefill_seconds"], run["tau"]) for run in runs]),
     }
 
 
