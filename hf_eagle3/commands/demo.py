@@ -18,7 +18,7 @@ first (`hf_eagle3.optimize`), for plain decoding and EAGLE-3 alike.
 Its cost, counted in target forwards (about 50-90 ms each for SmolLM2 on two CPU cores): per dtype a calibration
 (about twenty seconds), then (prompts x repetitions + 1 warm-up) x (max_new_tokens per plain dtype + about
 max_new_tokens / τ EAGLE-3 cycles): with the defaults (16 prompts, 2 repetitions, 64 tokens, 2 dtypes) about
-33 x 160 = 5,300 forwards, so about seven minutes in all.
+33 x 160 = 5,300 forwards, so about nine minutes in all.
 """
 
 import argparse
