@@ -164,6 +164,7 @@ def test_a_call_s_predicted_speedup_is_diluted_by_its_prefill_and_reaches_the_de
     tau = choice.prediction.tau
     assert choice.predicted_speedup == pytest.approx(tau * 0.05 / 0.05)  # a cycle costs a decode step here
     assert choice.call_speedup(1, prefill_seconds=0.5) == 1.0  # the prefill's token alone: nothing to speed up
+    assert choice.call_speedup(1, prefill_seconds=0.0) == 1.0
     assert choice.call_speedup(65, prefill_seconds=0.0) == pytest.approx(choice.predicted_speedup)
     assert choice.call_speedup(65, prefill_seconds=0.5) == pytest.approx((0.5 + 64 * 0.05) / (0.5 + 64 * 0.05 / tau))
     assert choice.call_speedup(65, prefill_seconds=0.5, tau=1.0) == pytest.approx(1.0)  # at τ 1 a cycle is a step

@@ -185,9 +185,9 @@ class TreeChoice:
         token, EAGLE-3 a cycle per `tau` of them (default: the profile's). `predicted_speedup` is its limit for long
         answers; for short ones the prefill dilutes it."""
         prediction = self.prediction
-        if prediction is None or self.costs is None:
+        decoded = new_tokens - 1
+        if prediction is None or self.costs is None or decoded < 1:
             return 1.0
-        decoded = max(new_tokens - 1, 0)
         return ((prefill_seconds + decoded * self.costs.plain_step)
                 / (prefill_seconds + decoded * prediction.cycle_seconds / (tau or prediction.tau)))
 
