@@ -127,7 +127,8 @@ def test_calibration_is_not_reused_for_another_path_dtype_thread_count_batch_lay
     other_draft.config.acceptance_profile, other_draft.config.tree_shape = auto_draft.config.acceptance_profile, "auto"
     optimized = optimize(copy.deepcopy(llama_target))
     paths = [path(), other_threads, path(bf16_target, bf16_draft), path(draft=other_draft), path(batch_size=4),
-             path(compile_config=compile_config), path(target=optimized)]
+             path(compile_config=compile_config), path(target=optimized), path(static_length=256),
+             path(static_length=512), path(compile_config=compile_config, static_length=256)]
     assert len(set(paths)) == len(paths) and path() == paths[0]
 
 
@@ -333,6 +334,23 @@ def test_an_invalid_profile_row_decodes_plainly_before_anything_is_measured(cach
     assert torch.equal(output, llama_target.generate(PROMPT, max_new_tokens=8, do_sample=False))
 
 
+def test_a_static_cache_call_reads_the_record_of_its_cache_length_rounded_up_to_a_block(
+        cache, llama_target, auto_draft):
+    # 6 prompt + 40 new tokens + the largest profiled tree (8): a 256-entry cache, whose costs are recorded
+    _, path = calibrate(llama_target, auto_draft, static_length=256, measure=Measure())
+    output = llama_target.generate(PROMPT, max_new_tokens=40, do_sample=False, assistant_model=auto_draft,
+                                   cache_implementation="static", return_dict_in_generate=True)
+    assert list(cache.iterdir()) == [path]  # read, not measured again for a cache of another length
+    assert output.cache.layers[0].max_cache_len == 256 and "a static cache of 256" in output.eagle3_stats.shape_choice
+    assert torch.equal(output.sequences, llama_target.generate(PROMPT, max_new_tokens=40, do_sample=False))
+
+
+def test_a_static_cache_is_measured_at_its_length(llama_target, auto_draft):
+    row = auto_draft.config.acceptance_profile[-1]
+    costs = measure_costs(llama_target, auto_draft, [row], rounds=1, static_length=300)
+    assert set(costs.verify) == {1, row["tree_total_tokens"] + 1} and costs.plain_step > 0
+
+
 def test_recalibrate_replaces_the_cached_record_and_show_calibration_prints_it(cache, llama_target, auto_draft):
     _, path = calibrate(llama_target, auto_draft, measure=Measure())
     shown = show_calibration(llama_target, auto_draft)
@@ -342,6 +360,8 @@ def test_recalibrate_replaces_the_cached_record_and_show_calibration_prints_it(c
     record = json.loads(path.read_text())
     assert record["costs"]["machine"] == machine_description() and str(path) in report
     assert "tree_shape='auto' now: " in report
-    args = build_parser().parse_args(["tune-tree", "--recalibrate", "--batch-size", "4", "--compiled", "--cpu-layout"])
+    args = build_parser().parse_args(["tune-tree", "--recalibrate", "--batch-size", "4", "--compiled",
+                                      "--static-cache-length", "512", "--cpu-layout"])
     assert args.recalibrate and args.batch_size == 4 and args.compiled and args.cpu_layout
+    assert args.static_cache_length == 512
     assert "none yet" in show_calibration(llama_target, auto_draft, batch_size=4)

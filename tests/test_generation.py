@@ -240,6 +240,17 @@ def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refuse
         _eagle(llama_target, fitted_draft, prompt, cache=filled, **kwargs)
 
 
+@pytest.mark.parametrize(("own", "filled", "expected"), [(30, False, 256), (300, False, 300), (30, True, 30)],
+                         ids=["short-rounded-up", "long-enough", "filled"])
+def test_a_call_s_static_cache_length_is_its_own_or_rounded_up_to_a_block(llama_target, own, filled, expected):
+    from hf_eagle3.decoding.settings import static_cache_length
+
+    cache = StaticCache(config=llama_target.config, max_cache_len=own)
+    if filled:
+        llama_target(PROMPTS[1][:, :4], cache=cache)
+    assert static_cache_length(cache, 60, 12) == expected and static_cache_length(DynamicCache(), 60, 12) is None
+
+
 def test_compiled_verification_is_lossless(fitted_draft):
     from hf_eagle3.commands.bench import compiled_kwargs
 

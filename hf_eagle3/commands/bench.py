@@ -204,7 +204,8 @@ def run_benchmark(
             decode(method, prompts[0])
     # what the calibration (measured in the warm-up, cached) predicts for each `auto` method
     choices = {method.name: choose_tree(target, draft, method.generate_kwargs.get("ngram_candidates"), 1,
-                                        method.generate_kwargs.get("compile_config"))
+                                        method.generate_kwargs.get("compile_config"),
+                                        method.generate_kwargs.get("max_cache_len"))
                for method in methods if method.is_auto}
 
     records = []

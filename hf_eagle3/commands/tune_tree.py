@@ -4,7 +4,8 @@ tree size; the speed model and the measured costs are `calibration`'s).
 
 `--show-calibration` prints the cached costs `tree_shape="auto"` decides with on this machine (the record's path and
 content), `--recalibrate` measures them again and replaces the record, without profiling: for the model, dtype,
-thread count, batch size (`--batch-size`), compiled path (`--compiled`) and weight layout (`--cpu-layout`) given.
+thread count, batch size (`--batch-size`), compiled path (`--compiled`), static cache length (`--static-cache-length`)
+and weight layout (`--cpu-layout`) given.
 """
 
 import argparse
@@ -26,6 +27,7 @@ from ..decoding.calibration import (
     predict,
 )
 from ..decoding.cpu_layout import optimize
+from ..decoding.settings import STATIC_CACHE_BLOCK
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import (
     add_model_arguments,
@@ -79,9 +81,10 @@ def _check_save_to(directory: str | Path) -> None:
                               "model.safetensors); name a new directory, or a draft's folder to update it.")
 
 
-def show_calibration(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None) -> str:
+def show_calibration(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None,
+                     static_length: int | None = None) -> str:
     """The path and content of the calibration record `tree_shape="auto"` reads for these models here."""
-    path = calibration_path(calibration_key(target, draft, batch_size, compile_config))
+    path = calibration_path(calibration_key(target, draft, batch_size, compile_config, static_length))
     try:
         content = path.read_text() if path.is_file() else None
     except OSError as error:
@@ -90,11 +93,13 @@ def show_calibration(target, draft: Eagle3DraftModel, batch_size: int = 1, compi
         content or "(none yet: the next tree_shape='auto' call measures it, or run tune-tree --recalibrate)")
 
 
-def recalibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None) -> str:
+def recalibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None,
+                static_length: int | None = None) -> str:
     """Measure this machine's costs again, replace the cached record, and say what `tree_shape="auto"` now chooses."""
-    calibrate(target, draft, batch_size, compile_config, recalibrate=True)
-    choice = choose_tree(target, draft, batch_size=batch_size, compile_config=compile_config)
-    return f"{show_calibration(target, draft, batch_size, compile_config)}\n\ntree_shape='auto' now: {choice.reason}"
+    calibrate(target, draft, batch_size, compile_config, static_length, recalibrate=True)
+    choice = choose_tree(target, draft, None, batch_size, compile_config, static_length)
+    record = show_calibration(target, draft, batch_size, compile_config, static_length)
+    return f"{record}\n\ntree_shape='auto' now: {choice.reason}"
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -104,6 +109,11 @@ def _run(args: argparse.Namespace) -> None:
                          "from no prompts.")
     if args.save_to:
         _check_save_to(args.save_to)  # before minutes of measuring
+    if args.compiled and args.static_cache_length is None:
+        raise ValueError("--compiled needs --static-cache-length N: compiled verification decodes into a static cache, "
+                         "whose length its costs depend on. A call's is max_length plus its largest tree, rounded up "
+                         f"to a multiple of {STATIC_CACHE_BLOCK} (or the StaticCache it passes): e.g. 512 for calls "
+                         "of up to 480 tokens.")
     target, tokenizer, draft = load_models(args)
     if args.cpu_layout:
         optimize(target)
@@ -111,7 +121,7 @@ def _run(args: argparse.Namespace) -> None:
     if args.show_calibration or args.recalibrate:
         compile_config = compiled_kwargs()["compile_config"] if args.compiled else None
         report = recalibrate if args.recalibrate else show_calibration
-        print(report(target, draft, args.batch_size, compile_config))
+        print(report(target, draft, args.batch_size, compile_config, args.static_cache_length))
         return
     ngram_candidates = draft.config.ngram_candidates if args.ngram_candidates is None else args.ngram_candidates
     prompts = [p for name in args.prompts
@@ -195,6 +205,10 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of --show-calibration / --recalibrate")
     parser.add_argument("--compiled", action="store_true",
                         help="--show-calibration / --recalibrate for the compiled path (bench's `+compiled`)")
+    parser.add_argument("--static-cache-length", type=int,
+                        help="--show-calibration / --recalibrate for calls decoding into a static cache of this many "
+                             f"entries (needed with --compiled; a call's is max_length plus its largest tree, rounded "
+                             f"up to a multiple of {STATIC_CACHE_BLOCK}, or the StaticCache it passes)")
     parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=False,
                         help="lay the models' linear weights out column-major first (`hf_eagle3.optimize`)")
     parser.add_argument("--output", help="write every shape's figures to this JSON file")

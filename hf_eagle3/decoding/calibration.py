@@ -10,7 +10,11 @@ tokens per second, against `1 / t_plain` for plain decoding. τ belongs to the d
 the hardware. The times do, a lot: a 13-token verification costs 1.1 decode steps on a CPU with AMX and 2.6 on one
 without, and bfloat16 is several times slower than float32 where the CPU has no bf16 matrix unit. So they are
 measured where decoding runs, on the path that will run (`calibration_key`: dtype, device, threads, batch size, eager
-or compiled, the weight layout of `cpu_layout.optimize`), and cached under `$HF_EAGLE3_CACHE/calibration`.
+or compiled, the length of a static cache, the weight layout of `cpu_layout.optimize`), and cached under
+`$HF_EAGLE3_CACHE/calibration`. A forward through a static cache attends to all of its entries (those past the
+sequence masked), so its cost grows with the cache's length, not the sequence's: on a 2-core Zen 4 EPYC a compiled
+1-token forward of SmolLM2-135M takes 48 ms with 200 entries and 77 ms with 900. A static cache's costs are measured
+at its length.
 
 A batch of `B` rows verifies every row's tree in one forward of `B (N + 1)` tokens and drafts row after row, so the
 costs of a batch are measured at its size. Rows decode independently, so a batch emits `B τ` tokens per cycle against
@@ -65,7 +69,7 @@ CALIBRATION_PREFIX = 160  # cached tokens the costs are measured after: a prompt
 CALIBRATION_NEW_TOKENS = 16  # tokens of the plain and EAGLE-3 `generate` calls of each round
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every measurement, after one that warms up
 MAX_SPREAD = 0.25  # the largest interquartile range / median of a cost that is trusted
-CALIBRATION_METHOD = 2  # in the key: records of an earlier way of measuring are measured again
+CALIBRATION_METHOD = 3  # in the key: records of an earlier way of measuring are measured again
 SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
 MAX_RECORD_BYTES = 1 << 20
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # what decides a CPU's float32 / bfloat16 speed
@@ -283,13 +287,16 @@ def _interleaved(probes: dict, rounds: int) -> dict:
 
 def _verification_probes(
     target, sizes: list[int], prefix_length: int, layer_ids: list[int] | None, batch_size: int, compile_config=None,
+    static_length: int | None = None,
 ) -> dict[int, Callable[[], float]]:
     """One probe per size `n`: a target forward over `n` new tokens per row after a cached `prefix_length`-token
-    prefix, as verification runs it (a 4D tree mask, the hidden states at `layer_ids`; with `compile_config`, through
-    a static cache and the compiled forward, as compiled verification does)."""
+    prefix, as verification runs it (a 4D tree mask, the hidden states at `layer_ids`; through a static cache of
+    `static_length` entries where given, and with `compile_config` through the compiled forward, as compiled
+    verification does: a compiled forward needs a static cache, of `prefix_length + max(sizes)` unless given)."""
     device = target.device
     vocab_size = target.config.get_text_config().vocab_size
-    static_length = prefix_length + max(sizes) if compile_config is not None else None
+    if static_length is None and compile_config is not None:
+        static_length = prefix_length + max(sizes)
     cache = (StaticCache(config=target.config, max_cache_len=static_length) if static_length else DynamicCache())
     forward = target.get_compiled_call(compile_config) if compile_config is not None else target
     target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), cache=cache)
@@ -374,12 +381,16 @@ class _TokenClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def compiled_generate_kwargs(compile_config) -> dict:
-    """`generate` settings of the compiled path calibrated with `compile_config` (`None`: eager, none)."""
-    return {} if compile_config is None else {"cache_implementation": "static", "compile_config": compile_config}
+def path_generate_kwargs(compile_config, static_length: int | None) -> dict:
+    """`generate` settings of the path calibrated with `compile_config` (`None`: eager) and a static cache of
+    `static_length` entries (`None`: dynamic, or for a compiled path the length `generate` gives it)."""
+    static = {} if static_length is None else {"cache_implementation": "static", "max_cache_len": static_length}
+    if compile_config is not None:
+        static = {"cache_implementation": "static", "compile_config": compile_config} | static
+    return static
 
 
-def _plain_step_probe(target, prompt: torch.Tensor, new_tokens: int, compile_config) -> Callable[[], float]:
+def _plain_step_probe(target, prompt: torch.Tensor, new_tokens: int, path: dict) -> Callable[[], float]:
     """A probe: the median time between the tokens of a plain greedy `generate` (the decode step, everything
     `generate` does per token included, the prefill not)."""
 
@@ -387,21 +398,21 @@ def _plain_step_probe(target, prompt: torch.Tensor, new_tokens: int, compile_con
         clock = _TokenClock()
         target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                         min_new_tokens=new_tokens, do_sample=False, stopping_criteria=StoppingCriteriaList([clock]),
-                        **compiled_generate_kwargs(compile_config))
+                        **path)
         return statistics.median(later - earlier for earlier, later in zip(clock.times, clock.times[1:]))
 
     return probe
 
 
 def _other_probe(target, draft: Eagle3DraftModel, prompt: torch.Tensor, shape: TreeSettings, new_tokens: int,
-                 compile_config) -> Callable[[], float]:
+                 path: dict) -> Callable[[], float]:
     """A probe: the seconds per cycle an EAGLE-3 `generate` with `shape` spends outside drafting and verification."""
 
     def probe() -> float:
         stats = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, assistant_model=draft,
                                 tree_depth=shape.depth, tree_top_k=shape.top_k, tree_total_tokens=shape.total_tokens,
-                                return_dict_in_generate=True, **compiled_generate_kwargs(compile_config)).eagle3_stats
+                                return_dict_in_generate=True, **path).eagle3_stats
         return max(stats.other_seconds, 0.0) / max(stats.num_cycles, 1)
 
     return probe
@@ -410,25 +421,32 @@ def _other_probe(target, draft: Eagle3DraftModel, prompt: torch.Tensor, shape: T
 @torch.no_grad()
 def measure_costs(
     target, draft: Eagle3DraftModel, profile: list[dict], prefix_length: int = CALIBRATION_PREFIX,
-    rounds: int = CALIBRATION_ROUNDS, batch_size: int = 1, compile_config=None,
+    rounds: int = CALIBRATION_ROUNDS, batch_size: int = 1, compile_config=None, static_length: int | None = None,
 ) -> MachineCosts:
     """Measure, on this machine, everything `predict` needs for the shapes of `profile` at `batch_size`, on the eager
-    path or the one compiled with `compile_config`: every cost in `rounds` interleaved rounds after a warm-up round,
-    medians, and the spread of the prediction they make (about twenty seconds for SmolLM2-135M on two quiet CPU
-    cores at batch size 1). The draft's work is measured for one row: rows draft one after another."""
+    path or the one compiled with `compile_config`, through a dynamic cache or a static one of `static_length`
+    entries: every cost in `rounds` interleaved rounds after a warm-up round, medians, and the spread of the
+    prediction they make (about twenty seconds for SmolLM2-135M on two quiet CPU cores at batch size 1, eager). The
+    draft's work is measured for one row: rows draft one after another. A static cache too short for the prefix
+    shortens the prefix."""
     draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
     sizes = sorted({1} | {shape.total_tokens + 1 for shape in shapes})
+    if static_length is not None:
+        static_length = max(static_length, max(sizes) + CALIBRATION_NEW_TOKENS + 1)
+        prefix_length = min(prefix_length, static_length - max(sizes) - CALIBRATION_NEW_TOKENS)
+    path = path_generate_kwargs(compile_config, static_length)
     tree_shapes = {(shape.depth, shape.top_k): shape for shape in shapes}  # the draft's work ignores the size
     vocab_size = target.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab_size, (batch_size, prefix_length), device=target.device)
     typical = sorted(shapes, key=lambda shape: shape.total_tokens)[len(shapes) // 2]
     probes = {
-        "plain": _plain_step_probe(target, prompt, CALIBRATION_NEW_TOKENS, compile_config),
-        "other": _other_probe(target, draft, prompt, typical, CALIBRATION_NEW_TOKENS, compile_config),
+        "plain": _plain_step_probe(target, prompt, CALIBRATION_NEW_TOKENS, path),
+        "other": _other_probe(target, draft, prompt, typical, CALIBRATION_NEW_TOKENS, path),
     }
     probes |= {("verify", n): probe for n, probe in _verification_probes(
-        target, sizes, prefix_length, draft.config.target_layer_ids, batch_size, compile_config).items()}
+        target, sizes, prefix_length, draft.config.target_layer_ids, batch_size, compile_config,
+        static_length).items()}
     probes |= {("draft", shape): probe for shape, probe in _drafting_probes(
         draft, list(tree_shapes.values()), 2, prefix_length).items()}
     samples = _interleaved(probes, rounds)
@@ -452,10 +470,11 @@ def measure_costs(
     return replace(costs, spread=_spread(speedups))
 
 
-def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None) -> dict:
+def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None,
+                    static_length: int | None = None) -> dict:
     """Everything the measured costs depend on: the machine, the software, the target and the draft (shape, weights
-    and weight layout), the dtype, the device, the torch thread count, the batch size, eager or compiled, and the
-    way of measuring."""
+    and weight layout), the dtype, the device, the torch thread count, the batch size, eager or compiled, a static
+    cache's length, and the way of measuring."""
     return {
         "method": CALIBRATION_METHOD,
         "machine": machine_description(target.device),
@@ -474,6 +493,7 @@ def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1, compil
         "batch_size": batch_size,
         "compiled": None if compile_config is None else {
             name: getattr(compile_config, name, None) for name in ("fullgraph", "dynamic", "backend", "mode")},
+        "static_length": static_length,
     }
 
 
@@ -534,10 +554,12 @@ def forget_calibration(path: Path) -> None:
             path.unlink()
 
 
-def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None, recalibrate: bool = False,
+def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None,
+              static_length: int | None = None, recalibrate: bool = False,
               measure: Callable[..., MachineCosts] = measure_costs) -> tuple[MachineCosts, Path]:
     """This machine's costs for `target` and `draft` at `batch_size` on the eager path or the one compiled with
-    `compile_config` (`measure`, by default `measure_costs`), measured once and then read from the cache file
+    `compile_config`, through a dynamic cache or a static one of `static_length` entries (`measure`, by default
+    `measure_costs`), measured once and then read from the cache file
     (returned too) for as long as nothing they depend on changes (`calibration_key`); `recalibrate` measures again
     and replaces the record. A noisy measurement (`MAX_SPREAD`) is taken again once, and a noisy record measured
     again once per process; costs that could not be written, or stayed noisy, are kept in memory for the process."""
@@ -551,7 +573,7 @@ def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_conf
     problem = profile_problem(profile, draft.config.draft_vocab_size)
     if problem:
         raise ValueError(f"{problem}: record the profile again with `hf-eagle3 tune-tree --save-to DIR`.")
-    key = calibration_key(target, draft, batch_size, compile_config)
+    key = calibration_key(target, draft, batch_size, compile_config, static_length)
     path = calibration_path(key)
     if not recalibrate:
         if path in _KEPT_IN_MEMORY:
@@ -560,7 +582,8 @@ def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_conf
         if costs is not None and costs.spread <= MAX_SPREAD:
             return costs, path
     for _ in range(2):
-        costs = measure(target, draft, profile, batch_size=batch_size, compile_config=compile_config)
+        costs = measure(target, draft, profile, batch_size=batch_size, compile_config=compile_config,
+                        static_length=static_length)
         if costs.spread <= MAX_SPREAD:
             break
     if write_record(path, key, costs) and costs.spread <= MAX_SPREAD:
@@ -572,11 +595,13 @@ def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_conf
 
 def choose_tree(
     target, draft: Eagle3DraftModel, ngram_candidates: bool | None = None, batch_size: int = 1, compile_config=None,
+    static_length: int | None = None,
 ) -> TreeChoice:
     """The predicted-fastest tree shape for `target` and `draft` on this machine at `batch_size` (on the path compiled
-    with `compile_config`, if any), with context n-gram candidates in the tree or without (default: the draft's
-    `ngram_candidates`), or none (decode plainly) when no shape is predicted to beat plain decoding by
-    `MIN_PREDICTED_SPEEDUP`, when the profile is unusable, the measurement too noisy or the prediction absurd."""
+    with `compile_config`, if any, through a static cache of `static_length` entries, if any), with context n-gram
+    candidates in the tree or without (default: the draft's `ngram_candidates`), or none (decode plainly) when no
+    shape is predicted to beat plain decoding by `MIN_PREDICTED_SPEEDUP`, when the profile is unusable, the
+    measurement too noisy or the prediction absurd."""
     if ngram_candidates is None:
         ngram_candidates = draft.config.ngram_candidates
     profile = draft.config.acceptance_profile
@@ -585,7 +610,7 @@ def choose_tree(
         reason = (f"EAGLE-3 decodes plainly: {problem}. Record the profile again with `hf-eagle3 tune-tree --save-to "
                   "DIR`, or pass tree_depth / tree_top_k / tree_total_tokens.")
         return TreeChoice(None, 1.0, reason, None, [])
-    costs, path = calibrate(target, draft, batch_size, compile_config)
+    costs, path = calibrate(target, draft, batch_size, compile_config, static_length)
     predictions = predict(profile, costs, ngram_candidates)
     if not predictions:
         raise ValueError(
@@ -598,7 +623,8 @@ def choose_tree(
     shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"
              + (", context n-gram candidates" if ngram_candidates else ""))
     batch = f", batch size {batch_size}" if batch_size > 1 else ""
-    compiled = ", compiled" if compile_config is not None else ""
+    compiled = (", compiled" if compile_config is not None else "") + (
+        f", a static cache of {static_length}" if static_length is not None else "")
     measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}{compiled}: a decode "
                 f"step takes {1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
                 f"{1000 * costs.verify[best.settings.total_tokens + 1]:.1f} ms, drafting "

@@ -24,7 +24,7 @@ from transformers.utils import logging
 from ..modeling_eagle3 import Eagle3DraftModel
 from .batch_state import BatchState, Emission, Row, Stopping, decoding_rows, keep_cache_entries
 from .calibration import forget_calibration
-from .drafter import DraftProposal, TreeSettings
+from .drafter import DraftProposal
 from .online import Decision, OnlineCheck
 from .proposer import Eagle3Proposer, PlainProposer, Verified
 from .settings import DecodingSettings
@@ -88,8 +88,7 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
            model_kwargs: dict) -> Run:
     batch_size = input_ids.shape[0]
     attention = TargetAttention(model, settings.exact_attention, model_kwargs.get("attention_mask"), batch_size)
-    cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings.tree,
-                                              settings.exact_attention)
+    cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings)
     model_kwargs["cache"] = cache
     # As `_sample` does: the forwards after the prefill compiled where transformers compiles them (a static cache on
     # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
@@ -285,20 +284,20 @@ def _right_padded(tokens: torch.Tensor, length: int, pad_token: torch.Tensor | N
     return torch.cat([tokens, pad_token.to(tokens).expand(length - tokens.numel())])
 
 
-def sized_static_cache(model, cache, generation_config, tree: TreeSettings, exact: bool):
-    """`(cache, key_length)`: a static cache with room for the call's last tree, and its length (what every
-    verification mask spans); a dynamic cache as it is, with `None`. A static cache too short is replaced while empty
-    and refused once filled."""
+def sized_static_cache(model, cache, generation_config, settings: DecodingSettings):
+    """`(cache, key_length)`: a static cache of the call's length (`settings.static_length`), and that length (what
+    every verification mask spans); a dynamic cache as it is, with `None`. A static cache too short is replaced while
+    empty and refused once filled."""
     if type(cache) is not StaticCache:
         return cache, None
-    if exact:
+    if settings.exact_attention:
         raise ValueError("exact_attention=True verifies node by node over a dynamic cache: drop "
                          "cache_implementation='static', or drop exact_attention.")
-    needed = generation_config.max_length + tree.total_tokens  # a whole tree after at most max_length - 1 tokens
-    if cache.layers[0].max_cache_len < needed:
-        if cache.get_seq_length():
-            raise ValueError(f"EAGLE-3 decoding into this static cache needs room for {needed} tokens (max_length "
-                             f"plus the tree's {tree.total_tokens}): pass a StaticCache of max_cache_len >= "
-                             f"{needed}.")
-        cache = StaticCache(config=model.config, max_cache_len=needed)
-    return cache, cache.layers[0].max_cache_len
+    needed = generation_config.max_length + settings.tree.total_tokens  # a whole tree after max_length - 1 tokens
+    if cache.layers[0].max_cache_len < needed and cache.get_seq_length():
+        raise ValueError(f"EAGLE-3 decoding into this static cache needs room for {needed} tokens (max_length "
+                         f"plus the tree's {settings.tree.total_tokens}): pass a StaticCache of max_cache_len >= "
+                         f"{needed}.")
+    if cache.layers[0].max_cache_len != settings.static_length:
+        cache = StaticCache(config=model.config, max_cache_len=settings.static_length)
+    return cache, settings.static_length

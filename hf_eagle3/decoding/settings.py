@@ -6,13 +6,20 @@ assistant's settings, as it reads `num_assistant_tokens`); the draft config's de
 `tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes drops a lower `tree_shape`. With
 `tree_shape="auto"` the tree is the shape `calibration.choose_tree` predicts fastest on this machine at this batch
 size, or none (decode plainly).
+
+A call decoding into a static cache (`cache_implementation="static"`, which compiled verification needs) verifies over
+its whole length, so the length is settled here, before the calibration that depends on it: the cache's own where
+it holds a whole tree after `max_length - 1` tokens, else the next multiple of `STATIC_CACHE_BLOCK` that does, so
+that calls of similar lengths share one compiled graph per tree size and one calibration record.
 """
 
 from dataclasses import dataclass
 
+from transformers.cache_utils import StaticCache
+
 from ..configuration_eagle3 import Eagle3Config
 from ..modeling_eagle3 import Eagle3DraftModel
-from .calibration import TreeChoice, choose_tree
+from .calibration import TreeChoice, choose_tree, profile_problem, profile_shapes
 from .drafter import TreeSettings, max_candidates
 
 TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
@@ -20,27 +27,41 @@ TREE_KWARGS = ("tree_depth", "tree_top_k", "tree_total_tokens")
 SETTING_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidates")
 # transformers' settings for its own candidate generators: they would be silently ignored
 ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+STATIC_CACHE_BLOCK = 256  # a static cache EAGLE-3 allocates holds a multiple of this many entries
 
 
 @dataclass(frozen=True)
 class DecodingSettings:
     """How one call decodes: the draft tree (`None`: plainly, the draft is not run), why that tree with
     `tree_shape="auto"` (and the calibration's `choice`, which the loop checks against the call's own speed), whether
-    context n-gram continuations join the tree, and whether each node is verified over exactly plain decoding's
-    keys."""
+    context n-gram continuations join the tree, whether each node is verified over exactly plain decoding's keys, and
+    the length of the static cache the call decodes into (`None`: a dynamic cache)."""
 
     tree: TreeSettings | None
     shape_choice: str | None
     ngram_candidates: bool
     exact_attention: bool
     choice: TreeChoice | None = None  # the calibration's choice with `tree_shape="auto"`, checked during the call
+    static_length: int | None = None
+
+
+def static_cache_length(cache, max_length: int, tree_tokens: int) -> int | None:
+    """The length of the static cache a call of up to `max_length` tokens with trees of up to `tree_tokens` nodes
+    decodes into (`None` for any other cache): `cache`'s own where it has room (or already holds a prefix: then it is
+    checked against the call's tree), else the next multiple of `STATIC_CACHE_BLOCK` with room."""
+    if type(cache) is not StaticCache:
+        return None
+    needed, own = max_length + tree_tokens, cache.layers[0].max_cache_len
+    if own >= needed or cache.get_seq_length():
+        return own
+    return -(-needed // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK
 
 
 def resolve_settings(model, draft: Eagle3DraftModel, generation_config, call: dict, batch_size: int,
-                     compile_config=None) -> DecodingSettings:
+                     compile_config=None, cache=None) -> DecodingSettings:
     """The call's settings. `call` holds the call's keyword arguments by name (`SETTING_KWARGS`), `None` for unset;
-    `compile_config`: the verification forwards are compiled with it (`None`: eager), which is the path
-    `tree_shape="auto"` calibrates."""
+    `compile_config`: the verification forwards are compiled with it (`None`: eager), and `cache` is the one
+    `generate` prepared: the path `tree_shape="auto"` calibrates."""
     ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if getattr(draft.generation_config, name, None) is not None)
     if ignored:
         raise TypeError(
@@ -63,11 +84,22 @@ def resolve_settings(model, draft: Eagle3DraftModel, generation_config, call: di
     if shape not in ("fixed", "auto"):
         raise ValueError(f"tree_shape must be 'fixed' or 'auto', got {shape!r}.")
     if shape == "fixed":
-        return DecodingSettings(_fixed_tree(draft.config, sizes), None, ngram_candidates, exact_attention)
+        tree = _fixed_tree(draft.config, sizes)
+        static_length = static_cache_length(cache, generation_config.max_length, tree.total_tokens)
+        return DecodingSettings(tree, None, ngram_candidates, exact_attention, static_length=static_length)
     if sizes:
         raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(sizes)} or tree_shape.")
-    choice = choose_tree(model, draft, ngram_candidates, batch_size, compile_config)
-    return DecodingSettings(choice.settings, choice.reason, ngram_candidates, exact_attention, choice)
+    static_length = static_cache_length(cache, generation_config.max_length, _largest_profiled_tree(draft.config))
+    choice = choose_tree(model, draft, ngram_candidates, batch_size, compile_config, static_length)
+    return DecodingSettings(choice.settings, choice.reason, ngram_candidates, exact_attention, choice, static_length)
+
+
+def _largest_profiled_tree(config: Eagle3Config) -> int:
+    """The most tokens of a tree `tree_shape="auto"` may choose (0 for a profile it cannot use)."""
+    profile = config.acceptance_profile
+    if not profile or profile_problem(profile, config.draft_vocab_size):
+        return 0
+    return max(shape.total_tokens for shape, _ in profile_shapes(profile))
 
 
 def _layered(levels: list[dict]) -> dict:
