@@ -251,6 +251,22 @@ def test_a_call_s_static_cache_length_is_its_own_or_rounded_up_to_a_block(llama_
     assert static_cache_length(cache, 60, 12) == expected and static_cache_length(DynamicCache(), 60, 12) is None
 
 
+@pytest.mark.slow  # dynamo traces nine graphs (about 25 s on a 2-core machine)
+def test_the_compiled_verification_forward_keeps_a_graph_for_every_size_past_dynamo_s_default_limit():
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from hf_eagle3.decoding.compiled import compiled_forward
+
+    target = tiny_target("llama")
+    forward = compiled_forward(target, CompileConfig(backend="eager", fullgraph=False, dynamic=False))
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for size in range(1, torch._dynamo.config.recompile_limit + 2):  # one size more than dynamo keeps
+            forward(input_ids=torch.randint(1, 90, (1, size)), use_cache=False)
+    assert counters["stats"]["unique_graphs"] - graphs == torch._dynamo.config.recompile_limit + 1
+
+
 def test_compiled_verification_is_lossless(fitted_draft):
     from hf_eagle3.commands.bench import compiled_kwargs
 

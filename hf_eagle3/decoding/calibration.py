@@ -58,6 +58,7 @@ from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..utils.cache import cache_dir
 from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
+from .compiled import compiled_forward
 from .cpu_layout import weight_layout
 from .drafter import Eagle3Drafter, TreeSettings, max_candidates
 from .tree import tree_attention_mask
@@ -298,7 +299,7 @@ def _verification_probes(
     if static_length is None and compile_config is not None:
         static_length = prefix_length + max(sizes)
     cache = (StaticCache(config=target.config, max_cache_len=static_length) if static_length else DynamicCache())
-    forward = target.get_compiled_call(compile_config) if compile_config is not None else target
+    forward = compiled_forward(target, compile_config) if compile_config is not None else target
     target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), cache=cache)
     prefix_visible = torch.ones(prefix_length, dtype=torch.bool, device=device)
 

@@ -24,6 +24,7 @@ from transformers.utils import logging
 from ..modeling_eagle3 import Eagle3DraftModel
 from .batch_state import BatchState, Emission, Row, Stopping, decoding_rows, keep_cache_entries
 from .calibration import forget_calibration
+from .compiled import compiled_forward
 from .drafter import DraftProposal
 from .online import Decision, OnlineCheck
 from .proposer import Eagle3Proposer, PlainProposer, Verified
@@ -93,7 +94,7 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
     # As `_sample` does: the forwards after the prefill compiled where transformers compiles them (a static cache on
     # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
     compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)
-    forward = model.get_compiled_call(generation_config.compile_config) if compiled else model
+    forward = compiled_forward(model, generation_config.compile_config) if compiled else model
     draft.attach_target(model)
     do_sample = generation_config.do_sample
     return_dict = generation_config.return_dict_in_generate
