@@ -15,6 +15,7 @@ from hf_eagle3.commands.bench import (
     plot_summary,
     run_benchmark,
     save_plots,
+    summarise,
     verification_cost_report,
 )
 
@@ -250,3 +251,23 @@ def test_verification_cost_with_the_cpu_layout_tables_both_layouts(llama_target,
     assert set(record["seconds"]) == {"standard", "column-major"}
     assert "| tokens verified | standard ms | x 1 token | column-major ms | x 1 token |" in table
     assert all(weight.is_contiguous() for weight in target.parameters())  # left as loaded
+
+
+def test_a_compiled_auto_method_s_prediction_is_checked_against_compiled_plain_decoding():
+    from hf_eagle3.decoding.calibration import TreeChoice
+
+    def record(method, seconds, **eagle3):
+        fields = {"acceptance_lengths": [1], "shape": "plain", "depth": 1, "prefill_seconds": 0.1,
+                  "draft_seconds": 0.0, "verify_seconds": 0.5, "other_seconds": 0.0} if eagle3 else {}
+        return {"set": "set-a", "prompt": 0, "method": method, "seconds": seconds, "new_tokens": 8,
+                "identical_to_plain": True} | fields
+
+    methods = methods_from_names(["plain", "compiled", "auto+compiled"], 3, 3, 8, max_cache_len=64)
+    records = [record("plain", 2.0), record("compiled", 1.0), record("auto+compiled", 1.0, eagle3=True)]
+    plainly = {"auto+compiled": TreeChoice(None, 1.0, "decodes plainly", None, [])}  # predicted: as fast as plain
+    entry = summarise(records, methods, True, plainly)["summary"]["set-a"]["auto+compiled"]
+    assert entry["speedup"] == 2.0 and entry["prediction_baseline"] == "compiled"
+    assert entry["measured_speedup_over_path_plain"] == 1.0 and entry["prediction_error"] == 0.0
+    assert "1.00x (+0 % against 1.00x over compiled)" in markdown_table({"set-a": {"auto+compiled": entry}})
+    without_compiled = summarise(records[::2], methods[::2], True, plainly)["summary"]["set-a"]["auto+compiled"]
+    assert "predicted_speedup" not in without_compiled  # nothing on its path to check the prediction against

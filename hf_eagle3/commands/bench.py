@@ -82,6 +82,12 @@ class Method:
     def is_auto(self) -> bool:
         return self.generate_kwargs.get("tree_shape") == "auto"
 
+    @property
+    def path_baseline(self) -> str:
+        """The plain decoding on this method's path, which `auto`'s calibration predicts its speedup over: `compiled`
+        for a method verifying through the compiled forward, else `plain`."""
+        return "compiled" if "compile_config" in self.generate_kwargs else "plain"
+
 
 def methods_from_names(
     names: list[str], depth: int, top_k: int, total_tokens: int, max_cache_len: int | None = None
@@ -259,7 +265,8 @@ def run_benchmark(
 
 def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[tuple[int, float, float]]) -> dict:
     """What the calibration predicted for an `auto` method against what it measured: `calls` holds each call's new
-    tokens, prefill seconds and measured τ, `measured_speedup` their median speedup over plain decoding. Per call the
+    tokens, prefill seconds and measured τ, `measured_speedup` their median speedup over plain decoding on the path
+    calibrated (`Method.path_baseline`). Per call the
     speedup the calibration predicts for its answer length after its prefill (`TreeChoice.call_speedup`), with the
     acceptance profile's τ and with the call's own; the medians over the calls, and the error of each."""
     predicted = statistics.median(choice.call_speedup(tokens, prefill) for tokens, prefill, _ in calls)
@@ -272,6 +279,7 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[tu
         "predicted_cycle_ms": 1000 * prediction.cycle_seconds if prediction is not None else None,
         "measured_tau": statistics.median(tau for _, _, tau in calls),
         "predicted_speedup_at_measured_tau": at_measured_tau,
+        "measured_speedup_over_path_plain": measured_speedup,
         "prediction_error": predicted / measured_speedup - 1,
         "cost_model_error": at_measured_tau / measured_speedup - 1,
     }
@@ -280,11 +288,14 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[tu
 def summarise(records: list[dict], methods: list[Method], greedy: bool,
               choices: dict[str, TreeChoice] | None = None) -> dict:
     """Per set and method: median speedup, tokens/s, τ, n-α, time split, greedy mismatches; for `auto` methods whose
-    calibration is in `choices`, its prediction (`prediction_entry`)."""
+    calibration is in `choices` and whose path's plain decoding ran too (`Method.path_baseline`), its prediction
+    (`prediction_entry`) against the speedup over that."""
     choices = choices or {}
     summary = {}
     for set_name in dict.fromkeys(record["set"] for record in records):
-        plain_seconds = {r["prompt"]: r["seconds"] for r in records if r["set"] == set_name and r["method"] == "plain"}
+        seconds_of = {name: {r["prompt"]: r["seconds"] for r in records if r["set"] == set_name and r["method"] == name}
+                      for name in ("plain", "compiled")}
+        plain_seconds = seconds_of["plain"]
         for method in methods:
             rows = [r for r in records if r["set"] == set_name and r["method"] == method.name]
             entry = {
@@ -300,11 +311,14 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 entry["shapes"] = sorted({r["shape"] for r in rows})
                 # tree_shape="auto" decoded plainly: one token per target forward
                 entry["tau"] = sum(lengths) / cycles if cycles else 1.0
-                if method.name in choices:
+                baseline = seconds_of[method.path_baseline]
+                if method.name in choices and baseline:
                     calls = [(r["new_tokens"], r["prefill_seconds"],
                               sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"]) if r["acceptance_lengths"]
                               else 1.0) for r in rows]
-                    entry.update(prediction_entry(choices[method.name], entry["speedup"], calls))
+                    measured = statistics.median(baseline[r["prompt"]] / r["seconds"] for r in rows)
+                    entry.update(prediction_entry(choices[method.name], measured, calls),
+                                 prediction_baseline=method.path_baseline)
                 if not cycles:
                     entry.update(n_alpha=[], accepted_length_histogram={})
                     summary.setdefault(set_name, {})[method.name] = entry
@@ -325,7 +339,9 @@ TABLE_LEGEND = """\
   machine, or `plain` where no tree pays; a chain is top-k 1).
 - **speedup**: the median over the set's prompts of plain time / method time on the same prompt.
 - **predicted (error)**: for `auto`, the speedup the calibration predicted (the acceptance profile's τ over the
-  predicted cycle time), and how far it is from the measured speedup.
+  predicted cycle time), and how far it is from the measured speedup. The calibration predicts the speedup over plain
+  decoding on its own path: for `+compiled`, over `compiled` (the cell then gives that measured speedup too; without
+  `compiled` in the run there is no prediction to check).
 - **at measured τ**: the speedup the predicted cycle time gives at the τ measured on the set: its error is the cost
   model's alone, the rest of the error above is the set's τ differing from the profile's.
 - **tokens/s**: all new tokens of the set / all its seconds, so long answers weigh more; the ratio of two methods'
@@ -357,7 +373,9 @@ def markdown_table(summary: dict) -> str:
             split = entry.get("cycle_ms")
             lines.append(
                 f"| {set_name} | {name} | {', '.join(entry.get('shapes', [])) or '-'} | {entry['speedup']:.2f}x | "
-                + (f"{entry['predicted_speedup']:.2f}x ({100 * entry['prediction_error']:+.0f} %) | "
+                + (f"{entry['predicted_speedup']:.2f}x ({100 * entry['prediction_error']:+.0f} %"
+                   + (f" against {entry['measured_speedup_over_path_plain']:.2f}x over {entry['prediction_baseline']}"
+                      if entry["prediction_baseline"] != "plain" else "") + ") | "
                    f"{entry['predicted_speedup_at_measured_tau']:.2f}x ({100 * entry['cost_model_error']:+.0f} %) | "
                    if "predicted_speedup" in entry else "- | - | ")
                 + f"{entry['tokens_per_second']:.1f} | "
