@@ -260,7 +260,7 @@ def test_a_compiled_auto_method_s_prediction_is_checked_against_compiled_plain_d
         fields = {"acceptance_lengths": [1], "shape": "plain", "depth": 1, "prefill_seconds": 0.1,
                   "draft_seconds": 0.0, "verify_seconds": 0.5, "other_seconds": 0.0} if eagle3 else {}
         return {"set": "set-a", "prompt": 0, "method": method, "seconds": seconds, "new_tokens": 8,
-                "identical_to_plain": True} | fields
+                "prompt_tokens": 7, "identical_to_plain": True} | fields
 
     methods = methods_from_names(["plain", "compiled", "auto+compiled"], 3, 3, 8, max_cache_len=64)
     records = [record("plain", 2.0), record("compiled", 1.0), record("auto+compiled", 1.0, eagle3=True)]

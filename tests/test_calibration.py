@@ -21,6 +21,7 @@ from hf_eagle3.commands.tune_tree import recalibrate, show_calibration
 from hf_eagle3.decoding.calibration import (
     MAX_SPREAD,
     MIN_PREDICTED_SPEEDUP,
+    PLAIN_CONTEXTS,
     MachineCosts,
     calibrate,
     calibration_key,
@@ -61,8 +62,9 @@ class Measure:
     """A measurement that returns given costs for every profiled shape (by default a slow machine where every tree
     pays: plain decoding at 1 token/s), counting its calls."""
 
-    def __init__(self, plain_step=1.0, verify=0.25, draft=1e-6, other=0.0, spread=0.0):
+    def __init__(self, plain_step=1.0, verify=0.25, draft=1e-6, other=0.0, spread=0.0, plain_steps=None):
         self.costs = {"plain_step": plain_step, "verify": verify, "draft": draft, "other": other, "spread": spread}
+        self.plain_steps = plain_steps or {}
         self.calls = 0
 
     def __call__(self, target, draft, profile, **kwargs) -> MachineCosts:
@@ -73,7 +75,7 @@ class Measure:
             machine="a test machine", plain_step=costs["plain_step"],
             verify={1: costs["plain_step"]} | {shape.total_tokens + 1: costs["verify"] for shape in shapes},
             draft={(shape.depth, shape.top_k): costs["draft"] for shape in shapes}, other=costs["other"],
-            spread=costs["spread"])
+            spread=costs["spread"], plain_steps=self.plain_steps)
 
 
 def _messages(caplog) -> list[str]:
@@ -95,6 +97,7 @@ def test_a_measurement_covers_every_profiled_shape_with_its_spread(llama_target,
     assert set(costs.draft) == {(shape.depth, shape.top_k) for shape in shapes}
     assert set(costs.verify) == {1} | {shape.total_tokens + 1 for shape in shapes}
     assert costs.machine == machine_description() and costs.plain_step > 0 and costs.other >= 0
+    assert set(costs.plain_steps) == set(PLAIN_CONTEXTS) and costs.plain_steps[160] == costs.plain_step
     assert costs.spread >= 0 and MachineCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
 
 
@@ -170,6 +173,22 @@ def test_a_call_s_predicted_speedup_is_diluted_by_its_prefill_and_reaches_the_de
     assert choice.call_speedup(65, prefill_seconds=0.5) == pytest.approx((0.5 + 64 * 0.05) / (0.5 + 64 * 0.05 / tau))
     assert choice.call_speedup(65, prefill_seconds=0.5, tau=1.0) == pytest.approx(1.0)  # at τ 1 a cycle is a step
     assert 1.0 < choice.call_speedup(65, 0.5) < choice.call_speedup(100_000, 0.5) < choice.predicted_speedup
+
+
+def test_plain_decoding_s_step_is_read_at_the_call_s_context(cache, llama_target, auto_draft):
+    steps = {48: 0.02, 160: 0.05, 320: 0.06}
+    calibrate(llama_target, auto_draft, measure=Measure(plain_step=0.05, verify=0.01, draft=0.001, plain_steps=steps))
+    costs = choose_tree(llama_target, auto_draft).costs
+    assert [costs.plain_step_at(c) for c in (None, 10, 48, 104, 160, 240, 1000)] == pytest.approx(
+        [0.05, 0.02, 0.02, 0.035, 0.05, 0.055, 0.06])
+    short, long = (choose_tree(llama_target, auto_draft, context_length=c) for c in (48, 320))
+    assert short.plain_step == 0.02 and short.predicted_speedup == pytest.approx(long.predicted_speedup / 3)
+    assert "a decode step takes 20.0 ms after 48 cached tokens" in short.reason
+    assert long.call_speedup(65, 0.0, prompt_tokens=15) == pytest.approx(short.predicted_speedup)  # context 47.5
+    # a short prompt's call: its check against plain decoding compares with the short-context step
+    output = llama_target.generate(PROMPT, max_new_tokens=24, do_sample=False, assistant_model=auto_draft,
+                                   return_dict_in_generate=True)
+    assert "after 18 cached tokens" in output.eagle3_stats.shape_choice  # 6 prompt tokens + 24 / 2
 
 
 def test_tree_settings_of_a_call_override_auto(cache, llama_target, auto_draft):
@@ -349,6 +368,7 @@ def test_a_static_cache_is_measured_at_its_length(llama_target, auto_draft):
     row = auto_draft.config.acceptance_profile[-1]
     costs = measure_costs(llama_target, auto_draft, [row], rounds=1, static_length=300)
     assert set(costs.verify) == {1, row["tree_total_tokens"] + 1} and costs.plain_step > 0
+    assert costs.plain_steps == {}  # a static cache's step depends on its length, not on the tokens in it
 
 
 def test_recalibrate_replaces_the_cached_record_and_show_calibration_prints_it(cache, llama_target, auto_draft):

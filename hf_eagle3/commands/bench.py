@@ -234,6 +234,7 @@ def run_benchmark(
                     "method": method.name,
                     "seconds": statistics.median(times[method.name]),
                     "new_tokens": new_tokens,
+                    "prompt_tokens": input_ids.shape[1],
                     "identical_to_plain": torch.equal(sequences[method.name], sequences["plain"]),
                 }
                 if greedy and not record["identical_to_plain"]:
@@ -263,21 +264,24 @@ def run_benchmark(
     return summarise(records, methods, greedy, choices)
 
 
-def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[tuple[int, float, float]]) -> dict:
+def prediction_entry(choice: TreeChoice, measured_speedup: float,
+                     calls: list[tuple[int, float, float, int]]) -> dict:
     """What the calibration predicted for an `auto` method against what it measured: `calls` holds each call's new
-    tokens, prefill seconds and measured τ, `measured_speedup` their median speedup over plain decoding on the path
-    calibrated (`Method.path_baseline`). Per call the
-    speedup the calibration predicts for its answer length after its prefill (`TreeChoice.call_speedup`), with the
-    acceptance profile's τ and with the call's own; the medians over the calls, and the error of each."""
-    predicted = statistics.median(choice.call_speedup(tokens, prefill) for tokens, prefill, _ in calls)
-    at_measured_tau = statistics.median(choice.call_speedup(tokens, prefill, tau) for tokens, prefill, tau in calls)
+    tokens, prefill seconds, measured τ and prompt tokens, `measured_speedup` their median speedup over plain decoding
+    on the path calibrated (`Method.path_baseline`). Per call the speedup the calibration predicts for its answer
+    length after its prefill, at its context (`TreeChoice.call_speedup`), with the acceptance profile's τ and with
+    the call's own; the medians over the calls, and the error of each."""
+    predicted = statistics.median(choice.call_speedup(tokens, prefill, None, prompt)
+                                  for tokens, prefill, _, prompt in calls)
+    at_measured_tau = statistics.median(choice.call_speedup(tokens, prefill, tau, prompt)
+                                        for tokens, prefill, tau, prompt in calls)
     prediction = choice.prediction
     return {
         "predicted_speedup": predicted,
         "decoding_speedup": choice.predicted_speedup,  # the calibration's for long answers, no prefill
         "predicted_tau": prediction.tau if prediction is not None else 1.0,
         "predicted_cycle_ms": 1000 * prediction.cycle_seconds if prediction is not None else None,
-        "measured_tau": statistics.median(tau for _, _, tau in calls),
+        "measured_tau": statistics.median(tau for _, _, tau, _ in calls),
         "predicted_speedup_at_measured_tau": at_measured_tau,
         "measured_speedup_over_path_plain": measured_speedup,
         "prediction_error": predicted / measured_speedup - 1,
@@ -315,7 +319,7 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 if method.name in choices and baseline:
                     calls = [(r["new_tokens"], r["prefill_seconds"],
                               sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"]) if r["acceptance_lengths"]
-                              else 1.0) for r in rows]
+                              else 1.0, r["prompt_tokens"]) for r in rows]
                     measured = statistics.median(baseline[r["prompt"]] / r["seconds"] for r in rows)
                     entry.update(prediction_entry(choices[method.name], measured, calls),
                                  prediction_baseline=method.path_baseline)

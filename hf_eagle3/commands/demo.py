@@ -122,6 +122,7 @@ def run_demo(
             "prompt": text,
             "text": tokenizer.decode(eagle_output.sequences[0, prompt_length:], skip_special_tokens=True),
             "new_tokens": new_tokens,
+            "prompt_tokens": prompt_length,
             "comparison": _comparison(plain_outputs[chosen], eagle_output, prompt_length, DTYPES[chosen]),
             "plain_tokens_per_second": {name: plain_tokens[name] / statistics.median(plain_seconds[name])
                                         for name in dtypes},
@@ -151,7 +152,8 @@ def run_demo(
         "speedup_by_set": by_set,
         "speedup_same_dtype": measured,
         "prediction": prediction_entry(choices[chosen], measured,
-                                       [(run["new_tokens"], run["prefill_seconds"], run["tau"]) for run in runs]),
+                                       [(run["new_tokens"], run["prefill_seconds"], run["tau"], run["prompt_tokens"])
+                                        for run in runs]),
     }
 
 

@@ -11,7 +11,10 @@ the hardware. The times do, a lot: a 13-token verification costs 1.1 decode step
 without, and bfloat16 is several times slower than float32 where the CPU has no bf16 matrix unit. So they are
 measured where decoding runs, on the path that will run (`calibration_key`: dtype, device, threads, batch size, eager
 or compiled, the length of a static cache, the weight layout of `cpu_layout.optimize`), and cached under
-`$HF_EAGLE3_CACHE/calibration`. A forward through a static cache attends to all of its entries (those past the
+`$HF_EAGLE3_CACHE/calibration`. Plain decoding's step grows with the tokens cached before it (on a 2-core Zen 4 EPYC,
+bfloat16: 53 / 60 / 61 ms after 48 / 160 / 320), a verification forward's much less, so through a dynamic cache the
+decode step is measured after each of `PLAIN_CONTEXTS` tokens and a call's prediction reads it at the call's mean
+context (`MachineCosts.plain_step_at`). A forward through a static cache attends to all of its entries (those past the
 sequence masked), so its cost grows with the cache's length, not the sequence's: on a 2-core Zen 4 EPYC a compiled
 1-token forward of SmolLM2-135M takes 48 ms with 200 entries and 77 ms with 900. A static cache's costs are measured
 at its length.
@@ -46,7 +49,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -70,7 +73,8 @@ CALIBRATION_PREFIX = 160  # cached tokens the costs are measured after: a prompt
 CALIBRATION_NEW_TOKENS = 16  # tokens of the plain and EAGLE-3 `generate` calls of each round
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every measurement, after one that warms up
 MAX_SPREAD = 0.25  # the largest interquartile range / median of a cost that is trusted
-CALIBRATION_METHOD = 3  # in the key: records of an earlier way of measuring are measured again
+PLAIN_CONTEXTS = (48, CALIBRATION_PREFIX, 320)  # cached tokens the decode step of a dynamic cache is measured after
+CALIBRATION_METHOD = 4  # in the key: records of an earlier way of measuring are measured again
 SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
 MAX_RECORD_BYTES = 1 << 20
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # what decides a CPU's float32 / bfloat16 speed
@@ -115,7 +119,9 @@ def _count(value, name: str, high: int) -> int:
 class MachineCosts:
     """Seconds, measured on one machine for one target, draft, dtype, thread count and batch size.
 
-    `plain_step`: one token per row of plain greedy `generate`; `verify[n]`: one target forward over `n` tokens per
+    `plain_step`: one token per row of plain greedy `generate` after `CALIBRATION_PREFIX` cached tokens, and
+    `plain_steps[c]` after `c` (through a dynamic cache; empty through a static one, whose step depends on its length
+    alone); `verify[n]`: one target forward over `n` tokens per
     row (a tree of `n - 1` nodes and its root); `draft[(depth, top_k)]`: the draft's work in one cycle, every row;
     `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping); `spread`: the interquartile range over
     median, over the measurement's rounds, of the predicted speedup of the shape the medians choose (`MAX_SPREAD`).
@@ -127,6 +133,20 @@ class MachineCosts:
     draft: dict[tuple[int, int], float]
     other: float
     spread: float = 0.0
+    plain_steps: dict[int, float] = field(default_factory=dict)
+
+    def plain_step_at(self, context: float | None) -> float:
+        """Plain decoding's step with `context` tokens cached: interpolated between the measured `plain_steps`, the
+        nearest measured beyond them; `plain_step` without a context or with fewer than two measured."""
+        points = sorted(self.plain_steps.items())
+        if context is None or len(points) < 2:
+            return self.plain_step
+        if context <= points[0][0]:
+            return points[0][1]
+        for (low, low_step), (high, high_step) in zip(points, points[1:]):
+            if context <= high:
+                return low_step + (high_step - low_step) * (context - low) / (high - low)
+        return points[-1][1]
 
     def to_json(self) -> dict:
         return asdict(self) | {"draft": [[*shape, seconds] for shape, seconds in self.draft.items()]}
@@ -136,9 +156,10 @@ class MachineCosts:
         """The costs of a cache record, every field checked (a `ValueError` or `TypeError` names the first wrong)."""
         if not isinstance(record, dict) or not isinstance(record.get("machine"), str):
             raise TypeError("the costs must be an object with a machine name")
-        verify, draft = record.get("verify"), record.get("draft")
-        if not isinstance(verify, dict) or not isinstance(draft, list):
-            raise TypeError("verify must map token counts to seconds, draft list [depth, top_k, seconds]")
+        verify, draft, plain_steps = record.get("verify"), record.get("draft"), record.get("plain_steps", {})
+        if not isinstance(verify, dict) or not isinstance(draft, list) or not isinstance(plain_steps, dict):
+            raise TypeError("verify and plain_steps must map token counts to seconds, draft list [depth, top_k, "
+                            "seconds]")
         if not all(isinstance(entry, list) and len(entry) == 3 for entry in draft):
             raise ValueError("draft must list [depth, top_k, seconds]")
         spread = record.get("spread", 0.0)
@@ -153,6 +174,8 @@ class MachineCosts:
                    _seconds(seconds, f"draft[{depth}, {top_k}]") for depth, top_k, seconds in draft},
             other=_seconds(record.get("other"), "other", low=0.0),
             spread=float(spread),
+            plain_steps={_count(int(n) if n.isdigit() else n, "a cached token count", 1 << 20):
+                         _seconds(seconds, f"plain_steps[{n}]") for n, seconds in plain_steps.items()},
         )
 
 
@@ -178,22 +201,32 @@ class TreeChoice:
     costs: MachineCosts | None
     predictions: list[ShapePrediction]
     path: Path | None = None
+    context_length: float | None = None  # the mean tokens cached while the call decodes, where known
 
     @property
     def prediction(self) -> ShapePrediction | None:
         """The chosen shape's prediction (`None` when decoding plainly)."""
         return self.predictions[0] if self.settings is not None else None
 
-    def call_speedup(self, new_tokens: int, prefill_seconds: float, tau: float | None = None) -> float:
+    @property
+    def plain_step(self) -> float | None:
+        """Plain decoding's calibrated step at the call's context (`None`: nothing measured)."""
+        return self.costs.plain_step_at(self.context_length) if self.costs is not None else None
+
+    def call_speedup(self, new_tokens: int, prefill_seconds: float, tau: float | None = None,
+                     prompt_tokens: int | None = None) -> float:
         """The predicted speedup of a whole `generate` call over plain decoding: both pay the same prefill
         (`prefill_seconds`, which also gives the first token); then plain decoding takes a decode step per further
-        token, EAGLE-3 a cycle per `tau` of them (default: the profile's). `predicted_speedup` is its limit for long
-        answers; for short ones the prefill dilutes it."""
+        token (at the call's mean context, from `prompt_tokens`, else the choice's), EAGLE-3 a cycle per `tau` of them
+        (default: the profile's). `predicted_speedup` is its limit for long answers; for short ones the prefill
+        dilutes it."""
         prediction = self.prediction
         decoded = new_tokens - 1
         if prediction is None or self.costs is None or decoded < 1:
             return 1.0
-        return ((prefill_seconds + decoded * self.costs.plain_step)
+        plain_step = (self.plain_step if prompt_tokens is None
+                      else self.costs.plain_step_at(prompt_tokens + new_tokens / 2))
+        return ((prefill_seconds + decoded * plain_step)
                 / (prefill_seconds + decoded * prediction.cycle_seconds / (tau or prediction.tau)))
 
 
@@ -439,12 +472,15 @@ def measure_costs(
     path = path_generate_kwargs(compile_config, static_length)
     tree_shapes = {(shape.depth, shape.top_k): shape for shape in shapes}  # the draft's work ignores the size
     vocab_size = target.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab_size, (batch_size, prefix_length), device=target.device)
+
+    def prompt(length: int) -> torch.Tensor:
+        return torch.randint(0, vocab_size, (batch_size, length), device=target.device)
+
+    contexts = [prefix_length] if "cache_implementation" in path else sorted({prefix_length, *PLAIN_CONTEXTS})
     typical = sorted(shapes, key=lambda shape: shape.total_tokens)[len(shapes) // 2]
-    probes = {
-        "plain": _plain_step_probe(target, prompt, CALIBRATION_NEW_TOKENS, path),
-        "other": _other_probe(target, draft, prompt, typical, CALIBRATION_NEW_TOKENS, path),
-    }
+    probes = {("plain", context): _plain_step_probe(target, prompt(context), CALIBRATION_NEW_TOKENS, path)
+              for context in contexts}
+    probes["other"] = _other_probe(target, draft, prompt(prefix_length), typical, CALIBRATION_NEW_TOKENS, path)
     probes |= {("verify", n): probe for n, probe in _verification_probes(
         target, sizes, prefix_length, draft.config.target_layer_ids, batch_size, compile_config,
         static_length).items()}
@@ -455,7 +491,9 @@ def measure_costs(
     def costs_of(pick: Callable[[list[float]], float]) -> MachineCosts:
         return MachineCosts(
             machine=machine_description(target.device),
-            plain_step=max(pick(samples["plain"]), SECONDS_RANGE[0]),
+            plain_step=max(pick(samples["plain", prefix_length]), SECONDS_RANGE[0]),
+            plain_steps={context: max(pick(samples["plain", context]), SECONDS_RANGE[0])
+                         for context in contexts} if len(contexts) > 1 else {},
             verify={n: max(pick(samples["verify", n]), SECONDS_RANGE[0]) for n in sizes},
             draft={key: max(batch_size * pick(samples["draft", shape]), SECONDS_RANGE[0])
                    for key, shape in tree_shapes.items()},
@@ -596,10 +634,11 @@ def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_conf
 
 def choose_tree(
     target, draft: Eagle3DraftModel, ngram_candidates: bool | None = None, batch_size: int = 1, compile_config=None,
-    static_length: int | None = None,
+    static_length: int | None = None, context_length: float | None = None,
 ) -> TreeChoice:
     """The predicted-fastest tree shape for `target` and `draft` on this machine at `batch_size` (on the path compiled
-    with `compile_config`, if any, through a static cache of `static_length` entries, if any), with context n-gram
+    with `compile_config`, if any, through a static cache of `static_length` entries, if any; for a call decoding
+    with `context_length` tokens cached on average, where known), with context n-gram
     candidates in the tree or without (default: the draft's `ngram_candidates`), or none (decode plainly) when no
     shape is predicted to beat plain decoding by `MIN_PREDICTED_SPEEDUP`, when the profile is unusable, the
     measurement too noisy or the prediction absurd."""
@@ -620,14 +659,16 @@ def choose_tree(
             "or pass ngram_candidates=True or tree_depth / tree_top_k / tree_total_tokens."
         )
     best = predictions[0]
-    speedup = best.tokens_per_second * costs.plain_step
+    plain_step = costs.plain_step_at(context_length)
+    speedup = best.tokens_per_second * plain_step
     shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"
              + (", context n-gram candidates" if ngram_candidates else ""))
     batch = f", batch size {batch_size}" if batch_size > 1 else ""
     compiled = (", compiled" if compile_config is not None else "") + (
         f", a static cache of {static_length}" if static_length is not None else "")
+    context = f" after {context_length:.0f} cached tokens" if context_length is not None and costs.plain_steps else ""
     measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}{compiled}: a decode "
-                f"step takes {1000 * costs.plain_step:.1f} ms, verifying {best.settings.total_tokens + 1} tokens "
+                f"step takes {1000 * plain_step:.1f} ms{context}, verifying {best.settings.total_tokens + 1} tokens "
                 f"{1000 * costs.verify[best.settings.total_tokens + 1]:.1f} ms, drafting "
                 f"{1000 * costs.draft[best.settings.depth, best.settings.top_k]:.1f} ms")
     force = "Pass tree_depth / tree_top_k / tree_total_tokens to force a tree."
@@ -635,7 +676,7 @@ def choose_tree(
         reason = (f"EAGLE-3 decodes plainly here: this machine was too noisy to calibrate (costs spread by "
                   f"{costs.spread:.0%} over the measurement's rounds, twice; at most {MAX_SPREAD:.0%} is trusted), "
                   f"measured twice. Run `hf-eagle3 tune-tree --recalibrate` when it is quieter. {force}")
-        return TreeChoice(None, 1.0, reason, costs, predictions, path)
+        return TreeChoice(None, 1.0, reason, costs, predictions, path, context_length)
     if not MIN_PREDICTED_SPEEDUP <= speedup <= MAX_PREDICTED_SPEEDUP:  # also false for nan
         if speedup > MAX_PREDICTED_SPEEDUP or not math.isfinite(speedup):
             why = (f"its prediction, {speedup:.3g}x, is not believable (the record {path} must be damaged: run "
@@ -644,6 +685,6 @@ def choose_tree(
             why = f"it is predicted at {speedup:.2f}x plain decoding ({measured})"
         reason = (f"EAGLE-3 decodes plainly here: the fastest tree ({shape}, τ {best.tau:.2f}) is not used: {why}. "
                   f"{force}")
-        return TreeChoice(None, 1.0, reason, costs, predictions, path)
+        return TreeChoice(None, 1.0, reason, costs, predictions, path, context_length)
     reason = f"tree {shape} (τ {best.tau:.2f}) predicted at {speedup:.2f}x plain decoding ({measured})"
-    return TreeChoice(best.settings, speedup, reason, costs, predictions, path)
+    return TreeChoice(best.settings, speedup, reason, costs, predictions, path, context_length)

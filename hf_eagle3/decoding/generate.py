@@ -150,7 +150,7 @@ def eagle3_generate(
     compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)  # as `_sample` decides
     settings = resolve_settings(model, draft, generation_config, call, input_ids.shape[0],
                                 (generation_config.compile_config or CompileConfig()) if compiled else None,
-                                model_kwargs.get("cache"))
+                                model_kwargs.get("cache"), input_ids.shape[1])
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if settings.tree is None:  # no tree pays here: plain decoding, the draft is not run

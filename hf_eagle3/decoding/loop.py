@@ -236,7 +236,7 @@ def online_check(settings: DecodingSettings) -> OnlineCheck | None:
     choice = settings.choice
     if choice is None or choice.prediction is None:
         return None
-    return OnlineCheck(choice.costs.plain_step, choice.prediction.cycle_seconds)
+    return OnlineCheck(choice.plain_step, choice.prediction.cycle_seconds)
 
 
 def check_online(run: Run, state: BatchState, online: OnlineCheck, seconds: float,

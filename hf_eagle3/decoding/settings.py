@@ -58,10 +58,11 @@ def static_cache_length(cache, max_length: int, tree_tokens: int) -> int | None:
 
 
 def resolve_settings(model, draft: Eagle3DraftModel, generation_config, call: dict, batch_size: int,
-                     compile_config=None, cache=None) -> DecodingSettings:
+                     compile_config=None, cache=None, prompt_length: int | None = None) -> DecodingSettings:
     """The call's settings. `call` holds the call's keyword arguments by name (`SETTING_KWARGS`), `None` for unset;
     `compile_config`: the verification forwards are compiled with it (`None`: eager), and `cache` is the one
-    `generate` prepared: the path `tree_shape="auto"` calibrates."""
+    `generate` prepared: the path `tree_shape="auto"` calibrates; `prompt_length` and `max_length` give the tokens
+    cached on average while the call decodes, which plain decoding's step depends on."""
     ignored = sorted(name for name in ASSISTED_ONLY_KWARGS if getattr(draft.generation_config, name, None) is not None)
     if ignored:
         raise TypeError(
@@ -90,7 +91,9 @@ def resolve_settings(model, draft: Eagle3DraftModel, generation_config, call: di
     if sizes:
         raise ValueError(f"tree_shape='auto' chooses the tree itself: drop {', '.join(sizes)} or tree_shape.")
     static_length = static_cache_length(cache, generation_config.max_length, _largest_profiled_tree(draft.config))
-    choice = choose_tree(model, draft, ngram_candidates, batch_size, compile_config, static_length)
+    context_length = (None if prompt_length is None
+                      else prompt_length + max(generation_config.max_length - prompt_length, 0) / 2)
+    choice = choose_tree(model, draft, ngram_candidates, batch_size, compile_config, static_length, context_length)
     return DecodingSettings(choice.settings, choice.reason, ngram_candidates, exact_attention, choice, static_length)
 
 
