@@ -161,7 +161,10 @@ def _describe_choice(name: str, choice: TreeChoice) -> str:
     costs = choice.costs
     if costs is None:
         return f"  {name:9s}: {choice.reason}"
-    head = f"  {name:9s}: decode step {1000 * costs.plain_step:5.1f} ms (spread {costs.spread:.0%})"
+    steps = " / ".join(f"{1000 * step:.1f}" for _, step in sorted(costs.plain_steps.items()))
+    contexts = " / ".join(str(context) for context in sorted(costs.plain_steps))
+    head = (f"  {name:9s}: decode step {steps or f'{1000 * costs.plain_step:.1f}'} ms"
+            + (f" after {contexts} cached tokens" if steps else "") + f" (spread {costs.spread:.0%})")
     if choice.settings is None:
         return f"{head}; {choice.reason}"
     shape = choice.settings
