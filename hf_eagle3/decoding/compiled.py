@@ -6,7 +6,8 @@ per function (8 by default): from the ninth shape on it runs the function eagerl
 config.recompile_limit"). A calibration measures every profiled tree size (13 for the shipped draft), and a call may
 meet several (its tree, plain decoding's single token), so without more room the costs measured and the ones paid
 would be of different code. The compiled verification forward raises the limit to `GRAPHS_PER_FORWARD` for its own
-calls only; nothing else's compilation changes.
+calls only; nothing else's compilation changes. It sets and restores the one setting itself: `config.patch` costs
+0.7 ms a call on a 2-core Zen 4 EPYC (avx512_bf16), 1.4 % of a compiled SmolLM2 cycle; setting it costs 4 µs.
 """
 
 from collections.abc import Callable
@@ -22,8 +23,12 @@ def compiled_forward(model, compile_config) -> Callable:
     compiled = model.get_compiled_call(compile_config)
 
     def forward(**kwargs):
-        limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)
-        with torch._dynamo.config.patch(recompile_limit=limit):
+        config = torch._dynamo.config
+        limit = config.recompile_limit
+        config.recompile_limit = max(limit, GRAPHS_PER_FORWARD)
+        try:
             return compiled(**kwargs)
+        finally:
+            config.recompile_limit = limit
 
     return forward
