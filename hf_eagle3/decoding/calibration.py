@@ -461,8 +461,8 @@ def measure_costs(
     path or the one compiled with `compile_config`, through a dynamic cache or a static one of `static_length`
     entries: every cost in `rounds` interleaved rounds after a warm-up round, medians, and the spread of the
     prediction they make (about twenty seconds for SmolLM2-135M on two quiet CPU cores at batch size 1, eager). The
-    draft's work is measured for one row: rows draft one after another. A static cache too short for the prefix
-    shortens the prefix."""
+    draft's work is measured for one row: rows draft one after another. A static cache too short for the prefix, the
+    largest tree and a plain round shortens the prefix, and is lengthened where even that is not enough."""
     draft.attach_target(target)
     shapes = [shape for shape, _ in profile_shapes(profile)]
     sizes = sorted({1} | {shape.total_tokens + 1 for shape in shapes})
@@ -476,7 +476,8 @@ def measure_costs(
     def prompt(length: int) -> torch.Tensor:
         return torch.randint(0, vocab_size, (batch_size, length), device=target.device)
 
-    contexts = [prefix_length] if "cache_implementation" in path else sorted({prefix_length, *PLAIN_CONTEXTS})
+    static = static_length is not None or compile_config is not None  # a step that depends on the cache's length
+    contexts = [prefix_length] if static else sorted({prefix_length, *PLAIN_CONTEXTS})
     typical = sorted(shapes, key=lambda shape: shape.total_tokens)[len(shapes) // 2]
     probes = {("plain", context): _plain_step_probe(target, prompt(context), CALIBRATION_NEW_TOKENS, path)
               for context in contexts}
