@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from hf_eagle3.commands.cli import build_parser
-from hf_eagle3.commands.demo import DEMO_PROMPTS_PER_SET, _comparison, _describe_comparison, demo_prompts
+from hf_eagle3.commands.demo import (
+    DEMO_PROMPTS_PER_SET,
+    _calibrated_cycle_ms,
+    _comparison,
+    _describe_comparison,
+    _median_split,
+    demo_prompts,
+)
+from hf_eagle3.decoding.calibration import MachineCosts
+from hf_eagle3.decoding.drafter import TreeSettings
 from hf_eagle3.resources.prompts import calibration_prompts, humaneval_prompts, mt_bench_first_turns, mt_bench_questions
 
 
@@ -52,3 +61,14 @@ def test_an_output_that_parts_from_plain_says_where_how_many_tokens_differ_and_t
     scores[3][0, runner_up] += 5.0  # a decoding that preferred its token by far: no near-tie, a bug
     parted.scores = tuple(scores)
     assert "NOT a near-tie" in _describe_comparison(_comparison(plain, parted, 6, torch.bfloat16), "bfloat16")
+
+
+def test_the_demo_compares_each_part_of_a_cycle_with_the_calibration_of_the_shape_the_call_used():
+    costs = MachineCosts(machine="cpu", plain_step=0.05, verify={9: 0.07, 17: 0.09}, draft={(2, 8): 0.009},
+                         other=0.003)
+    assert _calibrated_cycle_ms(costs, TreeSettings(2, 8, 16)) == pytest.approx(
+        {"draft": 9.0, "verify": 90.0, "other": 3.0})
+    assert _calibrated_cycle_ms(costs, None) is None  # the call decoded plainly
+    assert _median_split([None, {"draft": 1, "verify": 5, "other": 1}, {"draft": 3, "verify": 7, "other": 2},
+                          {"draft": 2, "verify": 6, "other": 9}]) == {"draft": 2, "verify": 6, "other": 2}
+    assert _median_split([None]) is None

@@ -13,7 +13,9 @@ sets (`prompts.calibration_prompts`). The speedup line is the median over them. 
 decoding in the same dtype (`bench.first_divergence`): in reduced precision a prompt whose output parts from plain
 decoding is reported with where, how many tokens differ from there, and at what logit gap (a near-tie when the two
 computations disagree by at most `bench.NEAR_TIE_LOGITS`). `--cpu-layout` lays the linear weights out column-major
-first (`hf_eagle3.optimize`), for plain decoding and EAGLE-3 alike.
+first (`hf_eagle3.optimize`), for plain decoding and EAGLE-3 alike. Last it shows where the time went: each part
+of a cycle (drafting, verification, the rest) and plain decoding's step per token, measured, beside what the
+calibration had for them, so that a prediction that missed names the cost it got wrong.
 
 Its cost, counted in target forwards (about 50-90 ms each for SmolLM2 on two CPU cores): per dtype a calibration
 (about twenty seconds), then (prompts x repetitions + 1 warm-up) x (max_new_tokens per plain dtype + about
@@ -34,6 +36,7 @@ from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_firs
 from .bench import NEAR_TIE_LOGITS, first_divergence, prediction_entry
 
 DEMO_PROMPTS_PER_SET = 8
+CYCLE_PARTS = ("draft", "verify", "other")  # where an EAGLE-3 cycle's time goes (`Eagle3GenerationStats`)
 
 
 def demo_prompts(per_set: int = DEMO_PROMPTS_PER_SET) -> list[tuple[str, str]]:
@@ -60,6 +63,20 @@ def _comparison(plain_output, eagle_output, prompt_length: int, dtype: torch.dty
         "differing_tokens": eagle_output.sequences.shape[1] - prompt_length - divergence["position"],
         "near_tie": disagreement is not None and disagreement <= NEAR_TIE_LOGITS.get(dtype, 1e-3),
     }
+
+
+def _median_split(splits: list[dict | None]) -> dict | None:
+    """The median of each part over the `CYCLE_PARTS` splits given (`None` ones left out; `None` if none is left)."""
+    splits = [split for split in splits if split]
+    return {part: statistics.median(split[part] for split in splits) for part in CYCLE_PARTS} if splits else None
+
+
+def _calibrated_cycle_ms(costs, shape) -> dict | None:
+    """The calibration's split of a cycle of `shape` (`None` when nothing was measured or the call decoded plainly)."""
+    if costs is None or shape is None:
+        return None
+    return {"draft": 1000 * costs.draft[shape.depth, shape.top_k],
+            "verify": 1000 * costs.verify[shape.total_tokens + 1], "other": 1000 * costs.other}
 
 
 def run_demo(
@@ -103,7 +120,7 @@ def run_demo(
     runs = []
     for prompt_set, text, input_ids in encoded:
         plain_seconds, plain_outputs, eagle_seconds, prefills = {name: [] for name in dtypes}, {}, [], []
-        taus, switched = [], False
+        taus, cycle_ms, switched = [], [], False
         for _ in range(repetitions):  # interleaved, so that machine noise hits every method alike
             for name in dtypes:
                 seconds, plain_outputs[name] = _timed(plain, name, input_ids)
@@ -114,6 +131,9 @@ def run_demo(
             prefills.append(stats.prefill_seconds)
             taus.append(stats.mean_acceptance_length if stats.settings else 1.0)
             switched |= "went on plainly" in (stats.shape_choice or "")
+            if stats.num_cycles:
+                cycle_ms.append({part: 1000 * getattr(stats, f"{part}_seconds") / stats.num_cycles
+                                 for part in CYCLE_PARTS})
         prompt_length = input_ids.shape[1]
         new_tokens = eagle_output.sequences.shape[1] - prompt_length
         plain_tokens = {name: output.sequences.shape[1] - prompt_length for name, output in plain_outputs.items()}
@@ -131,6 +151,14 @@ def run_demo(
             "eagle_seconds": statistics.median(eagle_seconds),
             "prefill_seconds": statistics.median(prefills),
             "tau": statistics.median(taus),
+            "cycle_ms": _median_split(cycle_ms),
+            # plain decoding's step per further token: its call less EAGLE-3's prefill (the same target forward;
+            # the draft's share of it is a few ms)
+            "plain_step_ms": 1000 * (statistics.median(plain_seconds[chosen]) - statistics.median(prefills))
+            / max(plain_tokens[chosen] - 1, 1),
+            "calibrated_cycle_ms": _calibrated_cycle_ms(choices[chosen].costs, stats.settings),
+            "calibrated_plain_step_ms": 1000 * choices[chosen].costs.plain_step_at(prompt_length + new_tokens / 2)
+            if choices[chosen].costs else None,
             "switched_to_plain": switched,
         })
     fastest_plain = max(dtypes, key=lambda name: statistics.median(run["plain_tokens_per_second"][name]
@@ -151,6 +179,11 @@ def run_demo(
         "speedup": statistics.median(run["speedup"] for run in runs),
         "speedup_by_set": by_set,
         "speedup_same_dtype": measured,
+        "cycle_ms": _median_split([run["cycle_ms"] for run in runs]),
+        "plain_step_ms": statistics.median(run["plain_step_ms"] for run in runs),
+        "calibrated_cycle_ms": _median_split([run["calibrated_cycle_ms"] for run in runs]),
+        "calibrated_plain_step_ms": statistics.median(run["calibrated_plain_step_ms"] for run in runs)
+        if choices[chosen].costs else None,
         "prediction": prediction_entry(choices[chosen], measured,
                                        [(run["new_tokens"], run["prefill_seconds"], run["tau"], run["prompt_tokens"])
                                         for run in runs]),
@@ -224,6 +257,13 @@ def _run(args: argparse.Namespace) -> None:
               f"{prediction['predicted_tau']:.2f}, less for calls of {args.max_new_tokens} tokens after their prefill; "
               f"at the τ each call measured (median {prediction['measured_tau']:.2f}), "
               f"{prediction['predicted_speedup_at_measured_tau']:.2f}x ({100 * prediction['cost_model_error']:+.0f} %)")
+        measured_split, calibrated_split = result["cycle_ms"], result["calibrated_cycle_ms"]
+        if measured_split and calibrated_split:
+            parts = ", ".join(f"{part} {measured_split[part]:.1f} ms ({calibrated_split[part]:.1f})"
+                              for part in CYCLE_PARTS)
+            print(f"where the time went, medians over the prompts (calibrated in brackets): a cycle's {parts}; "
+                  f"plain {chosen} decoding {result['plain_step_ms']:.1f} ms a token "
+                  f"({result['calibrated_plain_step_ms']:.1f} at the prompts' context)")
     parted = [run["comparison"] for run in result["runs"] if not run["comparison"]["identical"]]
     if parted:
         near_ties = sum(1 for comparison in parted if comparison.get("near_tie"))
