@@ -41,6 +41,7 @@ from transformers import CompileConfig
 
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description, verification_cost
 from ..decoding.cpu_layout import optimize, standard_layout, weight_layout
+from ..decoding.stats import CYCLE_PARTS
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
@@ -331,7 +332,7 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                     n_alpha=acceptance_by_position(lengths, rows[0]["depth"]),
                     accepted_length_histogram={n: lengths.count(n) for n in sorted(set(lengths))},
                     cycle_ms={part: 1000 * sum(r[f"{part}_seconds"] for r in rows) / cycles
-                              for part in ("draft", "verify", "other")},
+                              for part in CYCLE_PARTS},
                 )
             summary.setdefault(set_name, {})[method.name] = entry
     return {"summary": summary, "records": records}

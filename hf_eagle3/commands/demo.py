@@ -31,12 +31,12 @@ import torch
 
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description
 from ..decoding.cpu_layout import optimize
+from ..decoding.stats import CYCLE_PARTS
 from ..resources.loading import DTYPES, load_draft, load_target
 from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns, spread
 from .bench import NEAR_TIE_LOGITS, first_divergence, prediction_entry
 
 DEMO_PROMPTS_PER_SET = 8
-CYCLE_PARTS = ("draft", "verify", "other")  # where an EAGLE-3 cycle's time goes (`Eagle3GenerationStats`)
 
 
 def demo_prompts(per_set: int = DEMO_PROMPTS_PER_SET) -> list[tuple[str, str]]:

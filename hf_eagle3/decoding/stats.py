@@ -36,6 +36,9 @@ class Eagle3RowStats:
         return _mean(self.acceptance_lengths)
 
 
+CYCLE_PARTS = ("draft", "verify", "other")  # where a cycle's time goes: `Eagle3GenerationStats.{part}_seconds`
+
+
 @dataclass
 class Eagle3GenerationStats:
     """What one EAGLE-3 `generate` call did: `rows[b]` for row `b` of the batch (`Eagle3RowStats`), the time split of
