@@ -18,7 +18,6 @@ from hf_eagle3.commands.bench import (
     summarise,
     verification_cost_report,
 )
-from hf_eagle3.decoding.stats import CYCLE_PARTS
 
 
 def test_methods_from_names():
@@ -84,7 +83,7 @@ def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fit
     assert 1 <= tree["tau"] <= 4 and len(tree["n_alpha"]) == 3
     assert sum(n * count for n, count in tree["accepted_length_histogram"].items()) == 2 * 12 - 2  # the prefill
     assert tree["tau"] == pytest.approx((2 * 12 - 2) / cycles)  # token of each prompt comes from no cycle
-    assert set(tree["cycle_ms"]) == set(CYCLE_PARTS)
+    assert set(tree["cycle_ms"]) == {"draft", "verify", "other"}
 
     table = markdown_table(summary)
     assert table.count("\n") == 2 + 2 * 4 and "| set-a | tree:3x3x8 | 3x3x8 |" in table and "| 0 (0) |" in table
