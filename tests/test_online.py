@@ -1,20 +1,26 @@
 """The calibration checked against the call itself (`online.OnlineCheck`): a shape slower than plain decoding is
-dropped within the call, after a bounded number of cycles, and cached costs that proved wrong are measured again.
-Cycle times are injected, never measured."""
+dropped within the call, after a bounded number of cycles, and cached costs that proved wrong are replaced by the
+call's own, so that the next call measures nothing. Cycle times are injected, never measured."""
 
 import copy
+import json
 
 import pytest
 import torch
 from test_calibration import PROMPT, Measure, auto_draft, cache, profile  # noqa: F401  (fixtures)
 
-from hf_eagle3.decoding.calibration import calibrate, choose_tree
+from hf_eagle3.decoding.calibration import MachineCosts, calibrate, choose_tree
 from hf_eagle3.decoding.online import Decision, OnlineCheck
+
+
+def cycle(seconds: float) -> dict[str, float]:
+    """A cycle of `seconds`: a tenth drafting, eight tenths verifying, a tenth the rest."""
+    return {"draft": 0.1 * seconds, "verify": 0.8 * seconds, "other": 0.1 * seconds}
 
 
 def test_a_shape_slower_than_plain_decoding_is_dropped_after_the_minimum_cycles():
     check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020, min_cycles=8)  # plain: 100 tokens/s
-    decisions = [check.observe(0.020, 1.5) for _ in range(12)]  # 75 tokens/s
+    decisions = [check.observe(cycle(0.020), 1.5) for _ in range(12)]  # 75 tokens/s
     assert decisions[:8] == [Decision.KEEP] * 8  # the first cycle (kernel selection) is not counted: 8 more decide
     assert decisions[8:] == [Decision.PLAIN] * 4 and check.speedup == pytest.approx(0.75)
     assert not check.costs_disproved  # the cycles cost what was predicted: only τ was lower than the profile's
@@ -22,23 +28,28 @@ def test_a_shape_slower_than_plain_decoding_is_dropped_after_the_minimum_cycles(
 
 def test_a_shape_faster_than_plain_decoding_is_kept():
     check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020)
-    assert all(check.observe(0.020, 3.0) is Decision.KEEP for _ in range(100))
+    assert all(check.observe(cycle(0.020), 3.0) is Decision.KEEP for _ in range(100))
     assert check.cycles == 100
     assert check.speedup == pytest.approx(1.5)
 
 
 def test_the_first_cycle_and_a_noise_margin_do_not_decide():
     check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020, margin=0.10)
-    check.observe(10.0, 1.0)  # a first cycle paying for kernel selection is not counted
-    assert all(check.observe(0.020, 1.9) is Decision.KEEP for _ in range(20))  # 0.95x plain: within the margin
+    check.observe(cycle(10.0), 1.0)  # a first cycle paying for kernel selection is not counted
+    assert all(check.observe(cycle(0.020), 1.9) is Decision.KEEP for _ in range(20))  # 0.95x plain: within the margin
     assert check.cycles == 21 and check.seconds == pytest.approx(0.4)
 
 
-def test_cycles_slower_than_predicted_disprove_the_cached_costs():
+def test_cycles_slower_than_predicted_disprove_the_cached_costs_and_measure_them():
     check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020)
-    while check.observe(0.050, 2.0) is Decision.KEEP:
+    while check.observe(cycle(0.050), 2.0) is Decision.KEEP:
         pass
     assert check.cycles == 9 and check.costs_disproved
+    assert check.cycle_costs == pytest.approx({"draft": 0.005, "verify": 0.040, "other": 0.005})
+
+
+def record_costs(path) -> MachineCosts:
+    return MachineCosts.from_json(json.loads(path.read_text())["costs"])
 
 
 def test_generate_goes_on_plainly_when_the_chosen_shape_is_slower_here(cache, llama_target, auto_draft):  # noqa: F811
@@ -53,6 +64,31 @@ def test_generate_goes_on_plainly_when_the_chosen_shape_is_slower_here(cache, ll
     assert torch.equal(output.sequences, expected)
     stats = output.eagle3_stats
     assert "went on plainly" in stats.shape_choice and stats.settings == choice.settings
+    assert "replaced by this call's" in stats.shape_choice
     plain_cycles = stats.acceptance_lengths[9:]
     assert plain_cycles and set(plain_cycles) == {1}  # after 9 cycles, one token per target forward
-    assert not path.exists()  # the cycles cost far more than recorded: measured again by the next call
+    # The cycles cost far more than recorded: the record now holds what the call measured for its shape
+    verified = choice.settings.total_tokens + 1
+    corrected = record_costs(path)
+    assert corrected.verify[verified] > 10 * choice.costs.verify[verified]
+    assert corrected.plain_step == choice.costs.plain_step  # the rest of the record as it was, not measured again
+
+
+def test_a_call_after_one_that_disproved_the_costs_measures_nothing(cache, llama_target, auto_draft):  # noqa: F811
+    measure = Measure(plain_step=1e-4, verify=5e-5)
+    _, path = calibrate(llama_target, auto_draft, measure=measure)
+    expected = llama_target.generate(PROMPT, max_new_tokens=32, do_sample=False)
+    shapes = []
+    for _ in range(3):
+        output = llama_target.generate(PROMPT, max_new_tokens=32, do_sample=False,
+                                       assistant_model=copy.deepcopy(auto_draft), return_dict_in_generate=True)
+        assert torch.equal(output.sequences, expected)
+        stats = output.eagle3_stats
+        assert stats.num_cycles <= 9 + 32  # at most 9 cycles with the losing tree, then plain decoding
+        shapes.append(stats.settings)
+    # Each call mended the record with its own shape's costs and the next predicted from it: no call measured again
+    # (a measurement would have replaced the injected plain step, and `measure` counts the calls it serves)
+    assert measure.calls == 1 and record_costs(path).plain_step == 1e-4
+    # The first call measured more outside drafting and verification than the record's whole plain step: no tree is
+    # predicted to pay any more, and the later calls decode plainly
+    assert shapes[0] is not None and shapes[1:] == [None, None]

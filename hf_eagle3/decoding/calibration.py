@@ -29,7 +29,9 @@ plain `generate`'s own, the median time between its tokens (a clock in its stopp
 spread (interquartile range over median, `MachineCosts.spread`) exceeds `MAX_SPREAD` is taken again once; still
 noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so.
 Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's and switches to plain
-decoding when the shape loses.
+decoding when the shape loses; cycles that cost other than predicted replace the record's costs of their shape with
+what the call measured (`correct_calibration`), so that a wrong record is mended without measuring again inside a
+user's call.
 
 The cache is an optimisation, never a point of failure: a record that cannot be read or is invalid is reported once,
 naming the file, and measured again; a cache that cannot be written (read-only, full, a file in the way) is reported
@@ -586,12 +588,35 @@ def write_record(path: Path, key: dict, costs: MachineCosts) -> bool:
         return False
 
 
-def forget_calibration(path: Path) -> None:
-    """Drop the record at `path` (a call found its costs wrong): the next call measures again."""
-    _KEPT_IN_MEMORY.pop(path, None)
-    with contextlib.suppress(OSError):
-        if path.is_file() and not path.is_symlink():
-            path.unlink()
+def correct_calibration(choice: TreeChoice, cycle_costs: dict[str, float]) -> MachineCosts | None:
+    """Replace, in the record `choice` was predicted from, the costs of its shape by what a call decoding with it
+    measured per cycle (`cycle_costs`: `online.OnlineCheck.cycle_costs`, seconds of drafting, of verifying the tree
+    and of the rest): the next call predicts with them and measures nothing. A record that no longer holds the costs
+    `choice` read (measured again meanwhile) is left as it is. Returns the corrected costs (`None`: nothing
+    corrected); written where the record was, or kept in memory for the process where it cannot be."""
+    costs, shape, path = choice.costs, choice.settings, choice.path
+    if costs is None or shape is None or path is None:
+        return None
+    corrected = replace(
+        costs,
+        verify=costs.verify | {shape.total_tokens + 1: max(cycle_costs["verify"], SECONDS_RANGE[0])},
+        draft=costs.draft | {(shape.depth, shape.top_k): max(cycle_costs["draft"], SECONDS_RANGE[0])},
+        other=max(cycle_costs["other"], 0.0),
+    )
+    if path in _KEPT_IN_MEMORY:
+        if _KEPT_IN_MEMORY[path] != costs:
+            return None
+        _KEPT_IN_MEMORY[path] = corrected
+        return corrected
+    try:
+        record = json.loads(path.read_text())
+        if MachineCosts.from_json(record["costs"]) != costs:
+            return None
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return None  # gone or damaged since it was read: the next call measures again and says so
+    if not write_record(path, record["key"], corrected):
+        _KEPT_IN_MEMORY[path] = corrected
+    return corrected
 
 
 def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_config=None,

@@ -23,7 +23,7 @@ from transformers.utils import logging
 
 from ..modeling_eagle3 import Eagle3DraftModel
 from .batch_state import BatchState, Emission, Row, Stopping, decoding_rows, keep_cache_entries
-from .calibration import forget_calibration
+from .calibration import correct_calibration
 from .compiled import compiled_forward
 from .drafter import DraftProposal
 from .online import Decision, OnlineCheck
@@ -69,7 +69,7 @@ def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
     rows, state, emissions = prefill(run, input_ids, model_kwargs)
     online = online_check(settings)
     while True:
-        cycle_start = time.perf_counter()
+        cycle_start, split_before = time.perf_counter(), run.stats.split()
         emit(run, state, emissions)
         decoding = decoding_rows(rows, state.rows, run.stopping)
         if not decoding:
@@ -80,7 +80,7 @@ def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
         acceptances, emissions = accept(run, state, proposals, logits, features)
         state = compact(state, acceptances)
         if online is not None:
-            online = check_online(run, state, online, time.perf_counter() - cycle_start, acceptances)
+            online = check_online(run, state, online, run.stats.split_since(cycle_start, split_before), acceptances)
     return _finish(run, rows, state.cache, generation_config, start_time)
 
 
@@ -239,23 +239,28 @@ def online_check(settings: DecodingSettings) -> OnlineCheck | None:
     return OnlineCheck(choice.plain_step, choice.prediction.cycle_seconds)
 
 
-def check_online(run: Run, state: BatchState, online: OnlineCheck, seconds: float,
+def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds: dict[str, float],
                  acceptances: list[Acceptance]) -> OnlineCheck | None:
-    """Count the cycle; once the call's speed falls short of plain decoding's, every row goes on plainly (its
-    proposer proposes no candidate), and a record whose costs the call disproved is measured again next time.
-    Returns the check while it goes on, `None` once it has decided."""
+    """Count the cycle (its parts' seconds); once the cycles counted show the cached costs wrong, the call's own
+    replace them (once); once the call's speed falls short of plain decoding's, every row goes on plainly (its
+    proposer proposes no candidate). Returns the check while it goes on, `None` once it has decided."""
     tokens = sum(accepted.path.numel() for accepted in acceptances) / len(acceptances)
-    if online.observe(seconds, tokens) is Decision.KEEP:
+    decision = online.observe(part_seconds, tokens)
+    choice = run.settings.choice
+    if online.counted == online.min_cycles and online.costs_disproved:
+        predicted = choice.prediction.cycle_seconds
+        if correct_calibration(choice, online.cycle_costs) is not None:
+            run.stats.shape_choice += (f"; its cycles cost {1000 * online.seconds / online.counted:.1f} ms here, "
+                                       f"not {1000 * predicted:.1f} ms: the cached costs of the shape are "
+                                       "replaced by this call's")
+    if decision is Decision.KEEP:
         return online
-    shape_choice = run.settings.shape_choice
-    run.stats.shape_choice = (f"{shape_choice}; measured in this call at {online.speedup:.2f}x plain decoding after "
-                              f"{online.cycles} cycles, so it went on plainly")
-    logger.warning_once(f"{shape_choice}; slower than plain decoding in a call, which went on plainly (its "
-                        "statistics' shape_choice says by how much)")
+    run.stats.shape_choice += (f"; measured in this call at {online.speedup:.2f}x plain decoding after "
+                               f"{online.cycles} cycles, so it went on plainly")
+    logger.warning_once(f"{run.settings.shape_choice}; slower than plain decoding in a call, which went on plainly "
+                        "(its statistics' shape_choice says by how much)")
     for row in state.rows:
         row.proposer = PlainProposer()
-    if online.costs_disproved:
-        forget_calibration(run.settings.choice.path)
     return None
 
 

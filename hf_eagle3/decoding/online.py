@@ -1,13 +1,17 @@
 """The calibration's prediction checked against the call itself: a call decoding with the shape `tree_shape="auto"`
-chose knows, cycle after cycle, what each cycle cost and how many tokens it emitted. When the call's speed so far
-falls short of plain decoding's calibrated speed by `margin`, after `min_cycles` cycles (the first, which may pay for
-kernel selection, not counted), the call goes on plainly: at most `min_cycles + 1` cycles are spent at the losing
-speed, whatever the length of the call. When the cycles also cost other than predicted (by more than
-`cost_margin`), the cached costs were wrong (`costs_disproved`): the record is measured again at the next call.
+chose knows, cycle after cycle, what each part of the cycle cost (`stats.CYCLE_PARTS`) and how many tokens it
+emitted. When the call's speed so far falls short of plain decoding's calibrated speed by `margin`, after
+`min_cycles` cycles (the first, which may pay for kernel selection, not counted), the call goes on plainly: at most
+`min_cycles + 1` cycles are spent at the losing speed, whatever the length of the call. When the cycles cost other
+than predicted (by more than `cost_margin`), the cached costs of the shape were wrong (`costs_disproved`), and what
+the call measured for them (`cycle_costs`) replaces them in the record: the next call predicts with real costs,
+without measuring anything again.
 """
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .stats import CYCLE_PARTS
 
 
 class Decision(enum.Enum):
@@ -26,23 +30,34 @@ class OnlineCheck:
     margin: float = 0.10
     cost_margin: float = 0.25
     cycles: int = 0  # observed until the decision, the first included
-    seconds: float = 0.0  # of the counted cycles
+    part_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CYCLE_PARTS, 0.0))  # counted cycles
     tokens: float = 0.0  # emitted per row by the counted cycles
     decision: Decision = Decision.KEEP
 
-    def observe(self, cycle_seconds: float, tokens: float) -> Decision:
-        """Count one cycle that took `cycle_seconds` and emitted `tokens` per row; the decision for the next ones
-        (once `PLAIN`, it stays, and later cycles are not counted)."""
+    def observe(self, part_seconds: dict[str, float], tokens: float) -> Decision:
+        """Count one cycle whose parts took `part_seconds` (by `CYCLE_PARTS`) and that emitted `tokens` per row; the
+        decision for the next ones (once `PLAIN`, it stays, and later cycles are not counted)."""
         if self.decision is Decision.PLAIN:
             return self.decision
         self.cycles += 1
         if self.cycles == 1:
             return self.decision
-        self.seconds += cycle_seconds
+        for part in CYCLE_PARTS:
+            self.part_seconds[part] += part_seconds[part]
         self.tokens += tokens
         if self.cycles > self.min_cycles and self.tokens_per_second < (1 - self.margin) / self.plain_step:
             self.decision = Decision.PLAIN
         return self.decision
+
+    @property
+    def counted(self) -> int:
+        """The cycles the check has counted (all observed but the first)."""
+        return max(self.cycles - 1, 0)
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of the counted cycles."""
+        return sum(self.part_seconds.values())
 
     @property
     def tokens_per_second(self) -> float:
@@ -55,9 +70,14 @@ class OnlineCheck:
         return self.tokens_per_second * self.plain_step
 
     @property
+    def cycle_costs(self) -> dict[str, float]:
+        """Mean seconds per counted cycle of each part (`CYCLE_PARTS`)."""
+        return {part: seconds / max(self.counted, 1) for part, seconds in self.part_seconds.items()}
+
+    @property
     def costs_disproved(self) -> bool:
-        """Whether the counted cycles cost other than predicted by more than `cost_margin` (not only a lower τ)."""
-        counted = self.cycles - 1
-        if counted < self.min_cycles:
+        """Whether the counted cycles cost other than predicted by more than `cost_margin` (not only a lower τ),
+        once `min_cycles` are counted."""
+        if self.counted < self.min_cycles:
             return False
-        return abs(self.seconds / counted / self.predicted_cycle - 1) > self.cost_margin
+        return abs(self.seconds / self.counted / self.predicted_cycle - 1) > self.cost_margin

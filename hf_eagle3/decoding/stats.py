@@ -80,6 +80,16 @@ class Eagle3GenerationStats:
         """Time of the cycles spent outside drafting and verification: acceptance, bookkeeping, Python."""
         return self.total_seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
 
+    def split(self) -> tuple[float, float]:
+        """The drafting and verification seconds so far, to take one cycle's share with `split_since`."""
+        return self.draft_seconds, self.verify_seconds
+
+    def split_since(self, start: float, before: tuple[float, float]) -> dict[str, float]:
+        """Seconds of each of `CYCLE_PARTS` since `time.perf_counter()` read `start` and `split()` read
+        `before`."""
+        draft, verify = self.draft_seconds - before[0], self.verify_seconds - before[1]
+        return {"draft": draft, "verify": verify, "other": time.perf_counter() - start - draft - verify}
+
 
 @dataclass
 class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
