@@ -156,7 +156,9 @@ class Eagle3Config(PreTrainedConfig):
             calibration prompts (`hf-eagle3 tune-tree --save-to`); rows with `"ngram_candidates": true` were measured
             with context n-gram candidates in the tree. It does not depend on the hardware; `tree_shape="auto"`
             combines the rows of the call's `ngram_candidates` setting (for shapes profiled only without context
-            candidates, those rows: a lower bound) with the machine's measured costs.
+            candidates, those rows: a lower bound) with the machine's measured costs. Where the prompts came from
+            several sets, a row's optional `"tau_by_set"` maps each set's name (`"mt-bench"`, `"humaneval"`) to its
+            τ: what predictions for prompts of one kind read (`hf-eagle3 bench`, `demo`); `tau` is over them all.
         converted_from (`dict`, *optional*):
             Set by `hf-eagle3 convert` (and by `from_pretrained` on a foreign checkpoint) when the draft was converted
             from another project's format: `{"format": ..., "notes": [...]}`, the notes stating every reading chosen
@@ -292,11 +294,11 @@ class Eagle3Config(PreTrainedConfig):
                 "tree_shape='auto' needs an acceptance_profile (record one with `hf-eagle3 tune-tree --save-to`)"
             )
         for row in self.acceptance_profile or []:
-            shape_keys = set(row) - {"ngram_candidates"}
+            shape_keys = set(row) - {"ngram_candidates", "tau_by_set"}
             if shape_keys != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
                 problems.append(
                     "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1} and "
-                    f"optionally ngram_candidates, got {row}"
+                    f"optionally ngram_candidates and tau_by_set, got {row}"
                 )
                 break
         if "sliding_attention" in (self.layer_types or []) and not (self.sliding_window or 0) >= 1:

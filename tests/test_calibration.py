@@ -175,6 +175,24 @@ def test_a_call_s_predicted_speedup_is_diluted_by_its_prefill_and_reaches_the_de
     assert 1.0 < choice.call_speedup(65, 0.5) < choice.call_speedup(100_000, 0.5) < choice.predicted_speedup
 
 
+def test_a_prediction_for_prompts_of_one_set_reads_the_profile_s_tau_for_that_set(cache, llama_target, auto_draft):
+    from hf_eagle3.commands.bench import Call, prediction_entry
+
+    auto_draft.config.acceptance_profile = [row | {"tau_by_set": {"chat": 1.0 + (row["tau"] - 1) / 2,
+                                                                  "code": row["tau"] + 0.5}}
+                                            for row in auto_draft.config.acceptance_profile]
+    calibrate(llama_target, auto_draft, measure=Measure(plain_step=0.05, verify=0.04, draft=0.01))
+    choice = choose_tree(llama_target, auto_draft)
+    prediction = choice.prediction
+    assert prediction.tau_for("code") == pytest.approx(prediction.tau + 0.5)
+    assert prediction.tau_for("unknown") == prediction.tau_for(None) == prediction.tau  # over every prompt
+    chat = prediction_entry(choice, 1.0, [Call(65, 0.0, 1.5, 6, "chat")])
+    assert chat["predicted_tau"] == prediction.tau_for("chat")
+    assert chat["predicted_speedup"] == pytest.approx(choice.call_speedup(65, 0.0, prediction.tau_for("chat"), 6))
+    mixed = prediction_entry(choice, 1.0, [Call(65, 0.0, 1.5, 6, "chat"), Call(65, 0.0, 1.5, 6, "code")])
+    assert mixed["predicted_tau"] == pytest.approx((prediction.tau_for("chat") + prediction.tau_for("code")) / 2)
+
+
 def test_plain_decoding_s_step_is_read_at_the_call_s_context(cache, llama_target, auto_draft):
     steps = {48: 0.02, 160: 0.05, 320: 0.06}
     calibrate(llama_target, auto_draft, measure=Measure(plain_step=0.05, verify=0.01, draft=0.001, plain_steps=steps))
@@ -343,7 +361,8 @@ def test_an_absurd_prediction_is_never_acted_on(cache, llama_target, auto_draft)
 
 
 @pytest.mark.parametrize("row", [{"tau": 1e300}, {"tau": float("nan")}, {"tree_total_tokens": 40000},
-                                 {"tree_depth": 10**9}, {"tree_top_k": "2"}])
+                                 {"tree_depth": 10**9}, {"tree_top_k": "2"}, {"tau_by_set": {"chat": 0.5}},
+                                 {"tau_by_set": ["chat", 2.0]}, {"tau_by_set": {"chat": float("inf")}}])
 def test_an_invalid_profile_row_decodes_plainly_before_anything_is_measured(cache, llama_target, auto_draft, row):
     auto_draft.config.acceptance_profile = [auto_draft.config.acceptance_profile[0] | row]
     choice = choose_tree(llama_target, auto_draft)

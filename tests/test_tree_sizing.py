@@ -95,6 +95,30 @@ def test_acceptance_profile_matches_the_largest_run(llama_target, fitted_draft):
     assert shapes[(3, 3, 8)] > shapes[(3, 1, 1)] >= 1.0
 
 
+def test_a_profile_of_prompts_from_several_sets_holds_each_sets_tau(llama_target, fitted_draft):
+    torch.manual_seed(1)
+    prompts = [torch.randint(1, 90, (1, 6)) for _ in range(3)] + [torch.randint(1, 90, (1, 5)).repeat(1, 3)]
+    sets = ["chat", "chat", "code", "code"]
+    rows = acceptance_profile(llama_target, fitted_draft, prompts, top_ks=[2], max_depth=2, max_total=6,
+                              max_new_tokens=16, progress=False, prompt_sets=sets)
+    largest = next(row for row in rows if (row["tree_depth"], row["tree_total_tokens"]) == (2, 6))
+    lengths = {"chat": [], "code": []}
+    for input_ids, name in zip(prompts, sets):
+        llama_target.generate(input_ids, max_new_tokens=16, do_sample=False, assistant_model=fitted_draft,
+                              tree_depth=2, tree_top_k=2, tree_total_tokens=6)
+        lengths[name] += fitted_draft.generation_stats.acceptance_lengths
+    assert largest["tau_by_set"] == pytest.approx({name: sum(v) / len(v) for name, v in lengths.items()}, abs=1e-4)
+    everything = lengths["chat"] + lengths["code"]
+    assert largest["tau"] == pytest.approx(sum(everything) / len(everything), abs=1e-4)  # over every cycle
+    assert all(set(row["tau_by_set"]) == {"chat", "code"} for row in rows)
+    one_set = acceptance_profile(llama_target, fitted_draft, prompts[:2], top_ks=[2], max_depth=2, max_total=6,
+                                 max_new_tokens=16, progress=False, prompt_sets=["chat", "chat"])
+    assert all("tau_by_set" not in row for row in one_set)  # one set: its τ is the row's
+    with pytest.raises(ValueError, match="one set name per prompt"):
+        acceptance_profile(llama_target, fitted_draft, prompts, top_ks=[2], max_depth=2, max_total=6,
+                           max_new_tokens=16, progress=False, prompt_sets=["chat"])
+
+
 def test_tune_tree_ranks_every_profiled_shape_by_predicted_speed(llama_target, fitted_draft):
     prompts = [torch.randint(1, 90, (1, 6)) for _ in range(2)]
     profile, predictions, costs = tune_tree(llama_target, fitted_draft, prompts, top_ks=[1, 3], max_depth=2,

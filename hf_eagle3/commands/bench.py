@@ -21,8 +21,9 @@ where the rest of the layer is row-invariant, as on CPU.
 
 `plain:DTYPE` decodes plainly with a copy of the target in another dtype (what a user who never changed the dtype
 gets), and every `auto` method records what the calibration predicted for it next to what it measured: the
-predicted speedup (from the acceptance profile's τ) and the speedup the cost model gives at the τ measured on the
-set, which separates an error of the machine costs from a set whose τ differs from the profile's.
+predicted speedup (from the acceptance profile's τ for the set, where the profile holds τ per set, else over all its
+prompts) and the speedup the cost model gives at the τ measured on the set, which separates an error of the machine
+costs from a set whose τ differs from the profile's.
 
 `--cpu-layout` runs every method with the models' linear weights column-major (`hf_eagle3.optimize`); with
 `--verification-cost` it measures the forwards in both layouts instead, interleaved, and tables them side by side.
@@ -35,6 +36,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import CompileConfig
@@ -265,24 +267,34 @@ def run_benchmark(
     return summarise(records, methods, greedy, choices)
 
 
-def prediction_entry(choice: TreeChoice, measured_speedup: float,
-                     calls: list[tuple[int, float, float, int]]) -> dict:
-    """What the calibration predicted for an `auto` method against what it measured: `calls` holds each call's new
-    tokens, prefill seconds, measured τ and prompt tokens, `measured_speedup` their median speedup over plain decoding
-    on the path calibrated (`Method.path_baseline`). Per call the speedup the calibration predicts for its answer
-    length after its prefill, at its context (`TreeChoice.call_speedup`), with the acceptance profile's τ and with
-    the call's own; the medians over the calls, and the error of each."""
-    predicted = statistics.median(choice.call_speedup(tokens, prefill, None, prompt)
-                                  for tokens, prefill, _, prompt in calls)
-    at_measured_tau = statistics.median(choice.call_speedup(tokens, prefill, tau, prompt)
-                                        for tokens, prefill, tau, prompt in calls)
+class Call(NamedTuple):
+    """What `prediction_entry` reads of one timed `auto` call."""
+
+    new_tokens: int
+    prefill_seconds: float
+    tau: float  # measured
+    prompt_tokens: int
+    prompt_set: str | None  # the set the prompt came from: the profile's τ for it is predicted, where it has one
+
+
+def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Call]) -> dict:
+    """What the calibration predicted for an `auto` method against what it measured: `measured_speedup` is the calls'
+    median speedup over plain decoding on the path calibrated (`Method.path_baseline`). Per call the speedup the
+    calibration predicts for its answer length after its prefill, at its context (`TreeChoice.call_speedup`), with
+    the acceptance profile's τ for the call's prompt set (`ShapePrediction.tau_for`) and with the call's own; the
+    medians over the calls, and the error of each."""
     prediction = choice.prediction
+    profile_taus = [prediction.tau_for(call.prompt_set) if prediction is not None else 1.0 for call in calls]
+    predicted = statistics.median(choice.call_speedup(call.new_tokens, call.prefill_seconds, tau, call.prompt_tokens)
+                                  for call, tau in zip(calls, profile_taus))
+    at_measured_tau = statistics.median(choice.call_speedup(call.new_tokens, call.prefill_seconds, call.tau,
+                                                            call.prompt_tokens) for call in calls)
     return {
         "predicted_speedup": predicted,
         "decoding_speedup": choice.predicted_speedup,  # the calibration's for long answers, no prefill
-        "predicted_tau": prediction.tau if prediction is not None else 1.0,
+        "predicted_tau": statistics.median(profile_taus),
         "predicted_cycle_ms": 1000 * prediction.cycle_seconds if prediction is not None else None,
-        "measured_tau": statistics.median(tau for _, _, tau, _ in calls),
+        "measured_tau": statistics.median(call.tau for call in calls),
         "predicted_speedup_at_measured_tau": at_measured_tau,
         "measured_speedup_over_path_plain": measured_speedup,
         "prediction_error": predicted / measured_speedup - 1,
@@ -318,9 +330,9 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 entry["tau"] = sum(lengths) / cycles if cycles else 1.0
                 baseline = seconds_of[method.path_baseline]
                 if method.name in choices and baseline:
-                    calls = [(r["new_tokens"], r["prefill_seconds"],
-                              sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"]) if r["acceptance_lengths"]
-                              else 1.0, r["prompt_tokens"]) for r in rows]
+                    calls = [Call(r["new_tokens"], r["prefill_seconds"],
+                                  sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
+                                  if r["acceptance_lengths"] else 1.0, r["prompt_tokens"], set_name) for r in rows]
                     measured = statistics.median(baseline[r["prompt"]] / r["seconds"] for r in rows)
                     entry.update(prediction_entry(choices[method.name], measured, calls),
                                  prediction_baseline=method.path_baseline)
@@ -343,10 +355,10 @@ TABLE_LEGEND = """\
 - **tree (DxKxN)**: the tree shape decoded with, depth x top-k x drafted tokens (`auto`: the shape calibrated for this
   machine, or `plain` where no tree pays; a chain is top-k 1).
 - **speedup**: the median over the set's prompts of plain time / method time on the same prompt.
-- **predicted (error)**: for `auto`, the speedup the calibration predicted (the acceptance profile's τ over the
-  predicted cycle time), and how far it is from the measured speedup. The calibration predicts the speedup over plain
-  decoding on its own path: for `+compiled`, over `compiled` (the cell then gives that measured speedup too; without
-  `compiled` in the run there is no prediction to check).
+- **predicted (error)**: for `auto`, the speedup the calibration predicted (the acceptance profile's τ for the set,
+  where it holds one, over the predicted cycle time), and how far it is from the measured speedup. The calibration
+  predicts the speedup over plain decoding on its own path: for `+compiled`, over `compiled` (the cell then gives that
+  measured speedup too; without `compiled` in the run there is no prediction to check).
 - **at measured τ**: the speedup the predicted cycle time gives at the τ measured on the set: its error is the cost
   model's alone, the rest of the error above is the set's τ differing from the profile's.
 - **tokens/s**: all new tokens of the set / all its seconds, so long answers weigh more; the ratio of two methods'

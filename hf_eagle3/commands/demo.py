@@ -34,7 +34,7 @@ from ..decoding.cpu_layout import optimize
 from ..decoding.stats import CYCLE_PARTS
 from ..resources.loading import DTYPES, load_draft, load_target
 from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns, spread
-from .bench import NEAR_TIE_LOGITS, first_divergence, prediction_entry
+from .bench import NEAR_TIE_LOGITS, Call, first_divergence, prediction_entry
 
 DEMO_PROMPTS_PER_SET = 8
 
@@ -185,8 +185,8 @@ def run_demo(
         "calibrated_plain_step_ms": statistics.median(run["calibrated_plain_step_ms"] for run in runs)
         if choices[chosen].costs else None,
         "prediction": prediction_entry(choices[chosen], measured,
-                                       [(run["new_tokens"], run["prefill_seconds"], run["tau"], run["prompt_tokens"])
-                                        for run in runs]),
+                                       [Call(run["new_tokens"], run["prefill_seconds"], run["tau"],
+                                             run["prompt_tokens"], run["set"]) for run in runs]),
     }
 
 
@@ -252,9 +252,9 @@ def _run(args: argparse.Namespace) -> None:
         print(f"speedup over the fastest plain decoding here ({fastest}): {result['speedup']:.2f}x, the median over "
               f"{len(result['runs'])} prompts ({sets}) of {args.repetitions} interleaved runs each")
         print(f"over plain {chosen}: measured {measured:.2f}x; predicted by the calibration "
-              f"{prediction['predicted_speedup']:.2f}x ({100 * prediction['prediction_error']:+.0f} %): "
-              f"{prediction['decoding_speedup']:.2f}x for decoding at the acceptance profile's τ "
-              f"{prediction['predicted_tau']:.2f}, less for calls of {args.max_new_tokens} tokens after their prefill; "
+              f"{prediction['predicted_speedup']:.2f}x ({100 * prediction['prediction_error']:+.0f} %), at the "
+              f"acceptance profile's τ for each prompt's set (median {prediction['predicted_tau']:.2f}) for calls of "
+              f"{args.max_new_tokens} tokens after their prefill; "
               f"at the τ each call measured (median {prediction['measured_tau']:.2f}), "
               f"{prediction['predicted_speedup_at_measured_tau']:.2f}x ({100 * prediction['cost_model_error']:+.0f} %)")
         measured_split, calibrated_split = result["cycle_ms"], result["calibrated_cycle_ms"]

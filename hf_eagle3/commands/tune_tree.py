@@ -34,6 +34,7 @@ from ..resources.loading import (
     load_models,
     load_prompt_set,
     prompt_set_packages,
+    prompt_sources,
     save_draft,
     stored_dtype,
 )
@@ -51,16 +52,18 @@ from .bench import compiled_kwargs
 def tune_tree(
     target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
     max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool | None = None,
+    prompt_sets: list[str] | None = None,
 ) -> tuple[list[dict], list[ShapePrediction], MachineCosts]:
-    """The acceptance profile over `prompts` (see `acceptance_profile`), this machine's costs (measured now, see
-    `calibration.measure_costs`), and every shape's predicted speed, fastest first."""
+    """The acceptance profile over `prompts`, each of the set `prompt_sets` names where given (see
+    `acceptance_profile`), this machine's costs (measured now, see `calibration.measure_costs`), and every shape's
+    predicted speed, fastest first."""
     if not prompts:
         raise ValueError("No prompts to measure the acceptance profile on: a tree shape cannot be chosen from none. "
                          "Give a prompt set that holds some (--prompts, --limit N >= 1).")
     if ngram_candidates is None:
         ngram_candidates = draft.config.ngram_candidates
     profile = acceptance_profile(target, draft, prompts, top_ks, max_depth, max_total, max_new_tokens, progress,
-                                 ngram_candidates)
+                                 ngram_candidates, prompt_sets)
     costs = measure_costs(target, draft, profile)
     return profile, predict(profile, costs, ngram_candidates), costs
 
@@ -124,10 +127,14 @@ def _run(args: argparse.Namespace) -> None:
         print(report(target, draft, args.batch_size, compile_config, args.static_cache_length))
         return
     ngram_candidates = draft.config.ngram_candidates if args.ngram_candidates is None else args.ngram_candidates
-    prompts = [p for name in args.prompts
-               for p in load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)]
+    prompts, prompt_sets = [], []
+    for name in args.prompts:
+        loaded = load_prompt_set(name, tokenizer, args.limit, target, args.max_new_tokens)
+        prompts += loaded
+        prompt_sets += prompt_sources(name, len(loaded))
     profile, predictions, costs = tune_tree(target, draft, prompts, args.top_k, args.max_depth, args.max_total,
-                                            args.max_new_tokens, ngram_candidates=ngram_candidates)
+                                            args.max_new_tokens, ngram_candidates=ngram_candidates,
+                                            prompt_sets=prompt_sets)
     print(f"measured on {costs.machine}, {args.dtype}, {torch.get_num_threads()} threads: "
           f"decode step {1000 * costs.plain_step:.1f} ms")
     print(markdown_table(predictions, costs))

@@ -186,10 +186,15 @@ class ShapePrediction:
     settings: TreeSettings
     tau: float  # tokens per target forward, from the acceptance profile
     cycle_seconds: float
+    tau_by_set: dict[str, float] = field(default_factory=dict)  # the profile's τ per prompt set, where it has them
 
     @property
     def tokens_per_second(self) -> float:
         return self.tau / self.cycle_seconds
+
+    def tau_for(self, prompt_set: str | None) -> float:
+        """The profile's τ for prompts of `prompt_set` (`"mt-bench"`, `"humaneval"`), or over all its prompts."""
+        return self.tau_by_set.get(prompt_set, self.tau)
 
 
 @dataclass(frozen=True)
@@ -247,20 +252,30 @@ def profile_problem(profile, draft_vocab_size: int) -> str | None:
             total = _count(row.get("tree_total_tokens"), "tree_total_tokens", MAX_TREE_TOKENS)
             if total > max_candidates(depth, top_k):
                 raise ValueError(f"{total} tokens do not fit a tree of depth {depth} and top-k {top_k}")
-            tau = row.get("tau")
-            if isinstance(tau, bool) or not isinstance(tau, int | float) or not 1 <= tau <= total + 1:
-                raise ValueError(f"tau must be a number in [1, tree_total_tokens + 1 = {total + 1}], got {tau!r}")
+            by_set = row.get("tau_by_set", {})
+            if not isinstance(by_set, dict) or not all(isinstance(name, str) for name in by_set):
+                raise TypeError("tau_by_set must map prompt-set names to τ")
+            taus = {"tau": row.get("tau")} | {f"tau_by_set[{name!r}]": tau for name, tau in by_set.items()}
+            for name, tau in taus.items():
+                if isinstance(tau, bool) or not isinstance(tau, int | float) or not 1 <= tau <= total + 1:
+                    raise ValueError(f"{name} must be a number in [1, tree_total_tokens + 1 = {total + 1}], got "
+                                     f"{tau!r}")
         except (TypeError, ValueError) as error:
             return f"the acceptance profile row {str(row)[:200]} is invalid ({error})"
     return None
 
 
-def profile_shapes(profile: list[dict], ngram_candidates: bool | None = None) -> list[tuple[TreeSettings, float]]:
-    """(shape, τ) of the rows of an acceptance profile measured with context n-gram candidates in the tree or without
-    (`ngram_candidates`; `None`: every row)."""
-    return [(TreeSettings(row["tree_depth"], row["tree_top_k"], row["tree_total_tokens"]), row["tau"])
+def profile_rows(profile: list[dict], ngram_candidates: bool | None = None) -> list[tuple[TreeSettings, dict]]:
+    """(shape, row) of the rows of an acceptance profile measured with context n-gram candidates in the tree or
+    without (`ngram_candidates`; `None`: every row)."""
+    return [(TreeSettings(row["tree_depth"], row["tree_top_k"], row["tree_total_tokens"]), row)
             for row in profile
             if ngram_candidates is None or row.get("ngram_candidates", False) == ngram_candidates]
+
+
+def profile_shapes(profile: list[dict], ngram_candidates: bool | None = None) -> list[tuple[TreeSettings, float]]:
+    """(shape, τ) of the rows of an acceptance profile (see `profile_rows`)."""
+    return [(shape, row["tau"]) for shape, row in profile_rows(profile, ngram_candidates)]
 
 
 def _missing_costs(profile: list[dict], costs: MachineCosts) -> list[str]:
@@ -278,13 +293,13 @@ def predict(profile: list[dict], costs: MachineCosts, ngram_candidates: bool = F
     """The predicted speed on the measured machine of every profiled shape, fastest first. With `ngram_candidates`,
     a shape's τ is the one profiled with context candidates in the tree, or, for shapes profiled only without them,
     that one (a lower bound: the candidates share the same token budget)."""
-    taus = dict(profile_shapes(profile, False))
+    rows = {shape: row for shape, row in profile_rows(profile, False)}
     if ngram_candidates:
-        taus |= dict(profile_shapes(profile, True))
+        rows |= dict(profile_rows(profile, True))
     predictions = [
-        ShapePrediction(shape, tau, costs.draft[shape.depth, shape.top_k] + costs.verify[shape.total_tokens + 1]
-                        + costs.other)
-        for shape, tau in taus.items()
+        ShapePrediction(shape, row["tau"], costs.draft[shape.depth, shape.top_k] + costs.verify[shape.total_tokens + 1]
+                        + costs.other, row.get("tau_by_set", {}))
+        for shape, row in rows.items()
     ]
     return sorted(predictions, key=lambda prediction: -prediction.tokens_per_second)
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..conversion import UnknownFormatError
 from ..modeling_eagle3 import Eagle3DraftModel
-from .prompts import calibration_prompts, chat_input_ids, humaneval_prompts, mt_bench_questions
+from .prompts import calibration_prompt_sets, calibration_prompts, chat_input_ids, humaneval_prompts, mt_bench_questions
 
 SHIPPED_DRAFT = Path(__file__).parents[1] / "assets" / "smollm2-eagle3"
 PROMPT_SETS = ("mt-bench", "mt-bench-turn-2", "humaneval", "calibration")
@@ -112,6 +112,15 @@ def prompt_texts(name: str) -> list[str]:
         raise FileNotFoundError(f"Unknown prompt set {name!r}: use one of {', '.join(PROMPT_SETS)} or a JSONL file.")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [record["prompt"] if "prompt" in record else record["turns"][0] for record in records]
+
+
+def prompt_sources(name: str, count: int) -> list[str]:
+    """The set each of the first `count` prompts of the set `name` comes from: the `calibration` set's MT-bench and
+    HumanEval prompts are named by their source (`calibration_prompt_sets`), so that an acceptance profile holds τ per
+    kind of prompt; every other set's prompts by the set's name."""
+    if name != "calibration":
+        return [name] * count
+    return [source for source, texts in calibration_prompt_sets().items() for _ in texts][:count]
 
 
 def prompt_set_packages(names: list[str]) -> dict[str, str]:

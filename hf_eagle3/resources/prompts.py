@@ -38,13 +38,18 @@ def spread(texts: list[str], count: int) -> list[str]:
     return texts[:: max(len(texts) // count, 1)][:count]
 
 
+def calibration_prompt_sets() -> dict[str, list[str]]:
+    """The prompts acceptance profiles are measured on (the `calibration` set), by the set they come from: the 9th
+    and 10th question of every MT-bench category (`"mt-bench"`) and HumanEval problems 8, 9, 28, 29, ..., 148, 149
+    (`"humaneval"`), 16 of each. Spread over both sets as the demo's prompts are (`spread`), so that their τ is what
+    the profile leads one to expect, and none of those or of the benchmark's first prompts."""
+    return {"mt-bench": [text for index, text in enumerate(mt_bench_first_turns()) if index % 10 in (8, 9)],
+            "humaneval": [text for index, text in enumerate(humaneval_prompts()) if index % 20 in (8, 9)]}
+
+
 def calibration_prompts() -> list[str]:
-    """The prompts acceptance profiles are measured on (the `calibration` set): the 9th and 10th question of every
-    MT-bench category and HumanEval problems 8, 9, 28, 29, ..., 148, 149 (16 of each). Spread over both sets as the
-    demo's prompts are (`spread`), so that their τ is what the profile leads one to expect, and none of those or of
-    the benchmark's first prompts."""
-    return ([text for index, text in enumerate(mt_bench_first_turns()) if index % 10 in (8, 9)]
-            + [text for index, text in enumerate(humaneval_prompts()) if index % 20 in (8, 9)])
+    """The `calibration` set's prompts, MT-bench's then HumanEval's (`calibration_prompt_sets`)."""
+    return [text for texts in calibration_prompt_sets().values() for text in texts]
 
 
 def chat_input_ids(tokenizer, user_message: str):

@@ -48,25 +48,34 @@ def accepted_in_smaller_trees(
 def acceptance_profile(
     target, draft: Eagle3DraftModel, prompts: list[torch.Tensor], top_ks: list[int], max_depth: int, max_total: int,
     max_new_tokens: int = 128, progress: bool = True, ngram_candidates: bool | None = None,
+    prompt_sets: list[str] | None = None,
 ) -> list[dict]:
     """τ of every tree shape up to `max_depth` x `max_total` for each top-k in `top_ks`, from one greedy run per
     top-k with its largest tree over `prompts`: rows `{"tree_depth", "tree_top_k", "tree_total_tokens", "tau"}`
     (`Eagle3Config.acceptance_profile`), with `"ngram_candidates": True` for trees holding context continuations
     (`ngram_candidates`, by default the draft's setting; the smaller trees take the continuations' acceptance rates
     from the largest tree's run). Shapes with more nodes than their
-    depth has candidates are left out (the same tree as a smaller size)."""
+    depth has candidates are left out (the same tree as a smaller size). `prompt_sets` names the set of each prompt
+    (`"mt-bench"`, `"humaneval"`, ...): where it names two or more, every row also holds each set's τ
+    (`"tau_by_set"`), for predictions per kind of prompt."""
     from tqdm.auto import tqdm
 
     if ngram_candidates is None:
         ngram_candidates = draft.config.ngram_candidates
+    if prompt_sets is not None and len(prompt_sets) != len(prompts):
+        raise ValueError(f"prompt_sets names {len(prompt_sets)} prompts' sets for {len(prompts)} prompts: give one "
+                         "set name per prompt.")
+    labels = prompt_sets if prompt_sets is not None and len(set(prompt_sets)) > 1 else [None] * len(prompts)
+    sets = list(dict.fromkeys(labels))
     depths = list(range(1, max_depth + 1))
     rows = []
     for top_k in top_ks:
         largest = min(max_total, max_candidates(max_depth, top_k))  # can't keep more than the candidates
         totals = sorted({n for n in TOTAL_TOKENS_GRID if n < largest} | {largest})
-        accepted_sums = torch.zeros(len(depths), len(totals), dtype=torch.long)
-        cycles = 0
-        for input_ids in tqdm(prompts, desc=f"acceptance profile, top-k {top_k}", disable=not progress):
+        accepted_sums = {name: torch.zeros(len(depths), len(totals), dtype=torch.long) for name in sets}
+        cycles = dict.fromkeys(sets, 0)
+        for input_ids, label in tqdm(list(zip(prompts, labels)), desc=f"acceptance profile, top-k {top_k}",
+                                     disable=not progress):
             stats = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
                                     tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest,
                                     ngram_candidates=ngram_candidates, record_greedy_cycles=True,
@@ -75,16 +84,19 @@ def acceptance_profile(
             for (tree, path), emitted in zip(stats.greedy_cycles, stats.acceptance_lengths):
                 holding_depths = tree.candidate_depths.clone()
                 holding_depths[drafted:] = 0
-                accepted_sums += accepted_in_smaller_trees(
+                accepted_sums[label] += accepted_in_smaller_trees(
                     tree.candidate_rank_keys, holding_depths, tree.candidate_ids[path[1:] - 1],
                     torch.tensor(depths, device=path.device), torch.tensor(totals, device=path.device),
                 ).cpu().clamp_max(emitted - 1)  # a cycle cut by max_new_tokens or a stop emits fewer
-            cycles += stats.num_cycles
-        taus = 1 + accepted_sums.double() / max(cycles, 1)
+            cycles[label] += stats.num_cycles
+        taus = 1 + sum(accepted_sums.values()).double() / max(sum(cycles.values()), 1)
+        set_taus = {name: 1 + accepted_sums[name].double() / max(cycles[name], 1) for name in sets if name}
         for depth in depths:
             for index, total in enumerate(totals):
                 if total <= max_candidates(depth, top_k):
                     rows.append({"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total,
                                  "tau": round(float(taus[depth - 1, index]), 4)}
-                                | ({"ngram_candidates": True} if ngram_candidates else {}))
+                                | ({"ngram_candidates": True} if ngram_candidates else {})
+                                | ({"tau_by_set": {name: round(float(set_tau[depth - 1, index]), 4)
+                                                   for name, set_tau in set_taus.items()}} if set_taus else {}))
     return rows
