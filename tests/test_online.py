@@ -48,6 +48,16 @@ def test_cycles_slower_than_predicted_disprove_the_cached_costs_and_measure_them
     assert check.cycle_costs == pytest.approx({"draft": 0.005, "verify": 0.040, "other": 0.005})
 
 
+def test_one_cycle_that_paid_for_something_else_neither_disproves_the_costs_nor_goes_into_them():
+    check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020)
+    check.observe(cycle(0.020), 2.0)  # the first: not counted
+    check.observe(cycle(0.500), 2.0)  # a compilation, say: 25 cycles' worth
+    for _ in range(7):
+        check.observe(cycle(0.021), 2.0)
+    assert check.counted == check.min_cycles and not check.costs_disproved
+    assert check.cycle_costs == pytest.approx({"draft": 0.0021, "verify": 0.0168, "other": 0.0021})
+
+
 def record_costs(path) -> MachineCosts:
     return MachineCosts.from_json(json.loads(path.read_text())["costs"])
 

@@ -250,9 +250,9 @@ def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds:
     if online.counted == online.min_cycles and online.costs_disproved:
         predicted = choice.prediction.cycle_seconds
         if correct_calibration(choice, online.cycle_costs) is not None:
-            run.stats.shape_choice += (f"; its cycles cost {1000 * online.seconds / online.counted:.1f} ms here, "
-                                       f"not {1000 * predicted:.1f} ms: the cached costs of the shape are "
-                                       "replaced by this call's")
+            measured = 1000 * sum(online.cycle_costs.values())
+            run.stats.shape_choice += (f"; its cycles cost {measured:.1f} ms here, not {1000 * predicted:.1f} ms: "
+                                       "the cached costs of the shape are replaced by this call's")
     if decision is Decision.KEEP:
         return online
     run.stats.shape_choice += (f"; measured in this call at {online.speedup:.2f}x plain decoding after "

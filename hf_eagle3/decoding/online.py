@@ -5,10 +5,12 @@ emitted. When the call's speed so far falls short of plain decoding's calibrated
 `min_cycles + 1` cycles are spent at the losing speed, whatever the length of the call. When the cycles cost other
 than predicted (by more than `cost_margin`), the cached costs of the shape were wrong (`costs_disproved`), and what
 the call measured for them (`cycle_costs`) replaces them in the record: the next call predicts with real costs,
-without measuring anything again.
+without measuring anything again. Both read the medians of the first `min_cycles` counted cycles, so that one cycle
+that paid for something else (a compilation, a burst of load) neither disproves a record nor goes into it.
 """
 
 import enum
+import statistics
 from dataclasses import dataclass, field
 
 from .stats import CYCLE_PARTS
@@ -33,6 +35,7 @@ class OnlineCheck:
     part_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CYCLE_PARTS, 0.0))  # counted cycles
     tokens: float = 0.0  # emitted per row by the counted cycles
     decision: Decision = Decision.KEEP
+    samples: list[dict[str, float]] = field(default_factory=list)  # the first `min_cycles` counted cycles' parts
 
     def observe(self, part_seconds: dict[str, float], tokens: float) -> Decision:
         """Count one cycle whose parts took `part_seconds` (by `CYCLE_PARTS`) and that emitted `tokens` per row; the
@@ -44,6 +47,8 @@ class OnlineCheck:
             return self.decision
         for part in CYCLE_PARTS:
             self.part_seconds[part] += part_seconds[part]
+        if len(self.samples) < self.min_cycles:
+            self.samples.append({part: part_seconds[part] for part in CYCLE_PARTS})
         self.tokens += tokens
         if self.cycles > self.min_cycles and self.tokens_per_second < (1 - self.margin) / self.plain_step:
             self.decision = Decision.PLAIN
@@ -71,13 +76,15 @@ class OnlineCheck:
 
     @property
     def cycle_costs(self) -> dict[str, float]:
-        """Mean seconds per counted cycle of each part (`CYCLE_PARTS`)."""
-        return {part: seconds / max(self.counted, 1) for part, seconds in self.part_seconds.items()}
+        """The median seconds of each part (`CYCLE_PARTS`) over the first `min_cycles` counted cycles."""
+        return {part: statistics.median(sample[part] for sample in self.samples) if self.samples else 0.0
+                for part in CYCLE_PARTS}
 
     @property
     def costs_disproved(self) -> bool:
-        """Whether the counted cycles cost other than predicted by more than `cost_margin` (not only a lower τ),
-        once `min_cycles` are counted."""
-        if self.counted < self.min_cycles:
+        """Whether the first `min_cycles` counted cycles cost other than predicted by more than `cost_margin` (their
+        median; not only a lower τ), once they are counted."""
+        if len(self.samples) < self.min_cycles:
             return False
-        return abs(self.seconds / self.counted / self.predicted_cycle - 1) > self.cost_margin
+        median_cycle = statistics.median(sum(sample.values()) for sample in self.samples)
+        return abs(median_cycle / self.predicted_cycle - 1) > self.cost_margin
