@@ -32,7 +32,7 @@ class OnlineCheck:
     margin: float = 0.10
     cost_margin: float = 0.25
     cycles: int = 0  # observed until the decision, the first included
-    part_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CYCLE_PARTS, 0.0))  # counted cycles
+    seconds: float = 0.0  # of the counted cycles
     tokens: float = 0.0  # emitted per row by the counted cycles
     decision: Decision = Decision.KEEP
     samples: list[dict[str, float]] = field(default_factory=list)  # the first `min_cycles` counted cycles' parts
@@ -45,8 +45,7 @@ class OnlineCheck:
         self.cycles += 1
         if self.cycles == 1:
             return self.decision
-        for part in CYCLE_PARTS:
-            self.part_seconds[part] += part_seconds[part]
+        self.seconds += sum(part_seconds[part] for part in CYCLE_PARTS)
         if len(self.samples) < self.min_cycles:
             self.samples.append({part: part_seconds[part] for part in CYCLE_PARTS})
         self.tokens += tokens
@@ -58,11 +57,6 @@ class OnlineCheck:
     def counted(self) -> int:
         """The cycles the check has counted (all observed but the first)."""
         return max(self.cycles - 1, 0)
-
-    @property
-    def seconds(self) -> float:
-        """Seconds of the counted cycles."""
-        return sum(self.part_seconds.values())
 
     @property
     def tokens_per_second(self) -> float:
