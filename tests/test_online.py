@@ -102,3 +102,25 @@ def test_a_call_after_one_that_disproved_the_costs_measures_nothing(cache, llama
     # The first call measured more outside drafting and verification than the record's whole plain step: no tree is
     # predicted to pay any more, and the later calls decode plainly
     assert shapes[0] is not None and shapes[1:] == [None, None]
+
+
+def test_a_benchmarked_call_is_predicted_from_the_choice_it_decoded_with(cache, llama_target, auto_draft):  # noqa: F811
+    from hf_eagle3.commands.bench import Call, prediction_entry
+
+    calibrate(llama_target, auto_draft, measure=Measure(plain_step=1e-4, verify=5e-5))
+    before = choose_tree(llama_target, auto_draft)
+    calls = []
+    for _ in range(2):
+        stats = llama_target.generate(PROMPT, max_new_tokens=32, do_sample=False,
+                                      assistant_model=copy.deepcopy(auto_draft),
+                                      return_dict_in_generate=True).eagle3_stats
+        tau = stats.mean_acceptance_length if stats.settings else 1.0
+        calls.append(Call(32, stats.prefill_seconds, tau, PROMPT.shape[1], None, stats.choice))
+    first, second = (call.choice for call in calls)
+    assert first.settings == before.settings and first.costs == before.costs
+    assert second.settings is None and second.costs != before.costs  # chosen from the costs the first call corrected
+    entry = prediction_entry(before, 1.0, calls)
+    # the second call is predicted as what it did, plain decoding (1.0x), not as the shape the first one dropped
+    expected = (first.call_speedup(32, calls[0].prefill_seconds, first.prediction.tau, PROMPT.shape[1]) + 1.0) / 2
+    assert entry["predicted_speedup"] == pytest.approx(expected)
+    assert entry["predicted_tau"] == pytest.approx((first.prediction.tau + 1.0) / 2)

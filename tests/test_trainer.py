@@ -192,6 +192,36 @@ def test_init_draft_continues_from_a_trained_draft_and_its_vocabulary(dataset, t
                          draft_vocab_size=32), target=target, progress=False)
 
 
+def test_a_grown_draft_vocabulary_keeps_every_trained_row_and_adds_the_most_frequent_missing_tokens(
+        dataset, target, tmp_path):
+    train(config_for(dataset, tmp_path / "first", ttt_steps=1, max_steps=4), target=target, progress=False)
+    first = Eagle3DraftModel.from_pretrained(tmp_path / "first" / "draft")
+    init = {"init_draft": str(tmp_path / "first" / "draft"), "draft_vocab_size": 80}
+    with pytest.raises(ValueError, match="--grow-draft-vocabulary to grow it to 80"):
+        train(config_for(dataset, tmp_path / "refused", **init), target=target, progress=False)
+    train(config_for(dataset, tmp_path / "grown", **init, grow_draft_vocabulary=True, learning_rate=0.0),
+          target=target, progress=False)
+    grown = Eagle3DraftModel.from_pretrained(tmp_path / "grown" / "draft")
+    old, new = first.draft_to_target, grown.draft_to_target
+    assert new.numel() == 80 and torch.equal(new, new.sort().values) and torch.isin(old, new).all()
+    rows = torch.searchsorted(new, old)
+    assert torch.equal(grown.lm_head.weight[rows], first.lm_head.weight)  # learning rate 0: as trained
+    for name, tensor in trainable_state_dict(first).items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(grown.state_dict()[name], tensor), name
+    # the most frequent answer tokens not held are the ones added
+    added = new[~torch.isin(new, old)]
+    records = [json.loads(line) for line in (dataset / "shard-00000.jsonl").read_text().splitlines()]
+    counts = torch.bincount(torch.tensor([record["input_ids"][6:] for record in records]).flatten(), minlength=VOCAB)
+    counts[old] = -1
+    assert counts[added].min() >= counts.sort(descending=True).values[added.numel() - 1]
+    # the new rows: the target's, mapped as the target's rows of the trained tokens map to the trained rows
+    mapping = torch.linalg.lstsq(target.lm_head.weight[old], first.lm_head.weight).solution
+    torch.testing.assert_close(grown.lm_head.weight[~torch.isin(new, old)], target.lm_head.weight[added] @ mapping)
+    with pytest.raises(ValueError, match="pass the draft to grow"):
+        config_for(dataset, tmp_path, grow_draft_vocabulary=True)
+
+
 def test_a_draft_started_from_the_target_s_last_layer_computes_it_on_the_last_tapped_layer(dataset, target, tmp_path):
     config = config_for(dataset, tmp_path, intermediate_size=target.config.intermediate_size)
     draft = trainer_module.build_draft(trainer_module.draft_config_for(target, config), target,

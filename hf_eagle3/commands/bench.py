@@ -217,7 +217,7 @@ def run_benchmark(
                                         method.generate_kwargs.get("max_cache_len"))
                for method in methods if method.is_auto}
 
-    records = []
+    records, call_choices = [], {}
     bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), disable=not progress, desc="bench")
     for set_name, prompts in prompt_sets.items():
         for index, input_ids in enumerate(prompts):
@@ -247,6 +247,8 @@ def run_benchmark(
                     record["divergence"] = divergence
                 if stats[method.name] is not None:
                     run = stats[method.name]
+                    if run.choice is not None:  # the last repetition's, as the statistics below
+                        call_choices[set_name, index, method.name] = run.choice
                     record.update(
                         acceptance_lengths=run.acceptance_lengths,
                         prefill_seconds=run.prefill_seconds,
@@ -264,7 +266,7 @@ def run_benchmark(
                         file.write(json.dumps(record) + "\n")
             bar.update()
     bar.close()
-    return summarise(records, methods, greedy, choices)
+    return summarise(records, methods, greedy, choices, call_choices)
 
 
 class Call(NamedTuple):
@@ -275,25 +277,32 @@ class Call(NamedTuple):
     tau: float  # measured
     prompt_tokens: int
     prompt_set: str | None  # the set the prompt came from: the profile's τ for it is predicted, where it has one
+    choice: TreeChoice | None = None  # the one the call decoded with (`Eagle3GenerationStats.choice`), where known
 
 
 def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Call]) -> dict:
     """What the calibration predicted for an `auto` method against what it measured: `measured_speedup` is the calls'
-    median speedup over plain decoding on the path calibrated (`Method.path_baseline`). Per call the speedup the
-    calibration predicts for its answer length after its prefill, at its context (`TreeChoice.call_speedup`), with
-    the acceptance profile's τ for the call's prompt set (`ShapePrediction.tau_for`) and with the call's own; the
-    medians over the calls, and the error of each."""
-    prediction = choice.prediction
-    profile_taus = [prediction.tau_for(call.prompt_set) if prediction is not None else 1.0 for call in calls]
-    predicted = statistics.median(choice.call_speedup(call.new_tokens, call.prefill_seconds, tau, call.prompt_tokens)
-                                  for call, tau in zip(calls, profile_taus))
-    at_measured_tau = statistics.median(choice.call_speedup(call.new_tokens, call.prefill_seconds, call.tau,
-                                                            call.prompt_tokens) for call in calls)
+    median speedup over plain decoding on the path calibrated (`Method.path_baseline`). Per call, from the choice the
+    call decoded with (`choice` for a call that does not say: a call chooses for its own context, and after the online
+    check corrected the record, from the corrected costs), the speedup predicted for its answer length after its
+    prefill, at its context (`TreeChoice.call_speedup`), with the acceptance profile's τ for the call's prompt set
+    (`ShapePrediction.tau_for`) and with the call's own; the medians over the calls, and the error of each."""
+    choices = [call.choice or choice for call in calls]
+    profile_taus = [call_choice.prediction.tau_for(call.prompt_set) if call_choice.prediction is not None else 1.0
+                    for call, call_choice in zip(calls, choices)]
+    predicted = statistics.median(
+        call_choice.call_speedup(call.new_tokens, call.prefill_seconds, tau, call.prompt_tokens)
+        for call, call_choice, tau in zip(calls, choices, profile_taus))
+    at_measured_tau = statistics.median(
+        call_choice.call_speedup(call.new_tokens, call.prefill_seconds, call.tau, call.prompt_tokens)
+        for call, call_choice in zip(calls, choices))
+    cycles = [1000 * call_choice.prediction.cycle_seconds for call_choice in choices if call_choice.prediction]
     return {
         "predicted_speedup": predicted,
-        "decoding_speedup": choice.predicted_speedup,  # the calibration's for long answers, no prefill
+        # the calibration's for long answers, no prefill
+        "decoding_speedup": statistics.median(call_choice.predicted_speedup for call_choice in choices),
         "predicted_tau": statistics.median(profile_taus),
-        "predicted_cycle_ms": 1000 * prediction.cycle_seconds if prediction is not None else None,
+        "predicted_cycle_ms": statistics.median(cycles) if cycles else None,
         "measured_tau": statistics.median(call.tau for call in calls),
         "predicted_speedup_at_measured_tau": at_measured_tau,
         "measured_speedup_over_path_plain": measured_speedup,
@@ -303,11 +312,13 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Ca
 
 
 def summarise(records: list[dict], methods: list[Method], greedy: bool,
-              choices: dict[str, TreeChoice] | None = None) -> dict:
+              choices: dict[str, TreeChoice] | None = None,
+              call_choices: dict[tuple[str, int, str], TreeChoice] | None = None) -> dict:
     """Per set and method: median speedup, tokens/s, τ, n-α, time split, greedy mismatches; for `auto` methods whose
     calibration is in `choices` and whose path's plain decoding ran too (`Method.path_baseline`), its prediction
-    (`prediction_entry`) against the speedup over that."""
-    choices = choices or {}
+    (`prediction_entry`, from each call's own choice where `call_choices` has it by set, prompt and method) against
+    the speedup over that."""
+    choices, call_choices = choices or {}, call_choices or {}
     summary = {}
     for set_name in dict.fromkeys(record["set"] for record in records):
         seconds_of = {name: {r["prompt"]: r["seconds"] for r in records if r["set"] == set_name and r["method"] == name}
@@ -332,7 +343,8 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 if method.name in choices and baseline:
                     calls = [Call(r["new_tokens"], r["prefill_seconds"],
                                   sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
-                                  if r["acceptance_lengths"] else 1.0, r["prompt_tokens"], set_name) for r in rows]
+                                  if r["acceptance_lengths"] else 1.0, r["prompt_tokens"], set_name,
+                                  call_choices.get((set_name, r["prompt"], method.name))) for r in rows]
                     measured = statistics.median(baseline[r["prompt"]] / r["seconds"] for r in rows)
                     entry.update(prediction_entry(choices[method.name], measured, calls),
                                  prediction_baseline=method.path_baseline)

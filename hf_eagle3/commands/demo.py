@@ -136,6 +136,7 @@ def run_demo(
                                  for part in CYCLE_PARTS})
         prompt_length = input_ids.shape[1]
         new_tokens = eagle_output.sequences.shape[1] - prompt_length
+        choice = stats.choice or choices[chosen]  # the one the call decoded with: for its context, costs corrected
         plain_tokens = {name: output.sequences.shape[1] - prompt_length for name, output in plain_outputs.items()}
         runs.append({
             "set": prompt_set,
@@ -156,9 +157,10 @@ def run_demo(
             # the draft's share of it is a few ms)
             "plain_step_ms": 1000 * (statistics.median(plain_seconds[chosen]) - statistics.median(prefills))
             / max(plain_tokens[chosen] - 1, 1),
-            "calibrated_cycle_ms": _calibrated_cycle_ms(choices[chosen].costs, stats.settings),
-            "calibrated_plain_step_ms": 1000 * choices[chosen].costs.plain_step_at(prompt_length + new_tokens / 2)
-            if choices[chosen].costs else None,
+            "choice": choice,
+            "calibrated_cycle_ms": _calibrated_cycle_ms(choice.costs, stats.settings),
+            "calibrated_plain_step_ms": 1000 * choice.costs.plain_step_at(prompt_length + new_tokens / 2)
+            if choice.costs else None,
             "switched_to_plain": switched,
         })
     fastest_plain = max(dtypes, key=lambda name: statistics.median(run["plain_tokens_per_second"][name]
@@ -186,7 +188,7 @@ def run_demo(
         if choices[chosen].costs else None,
         "prediction": prediction_entry(choices[chosen], measured,
                                        [Call(run["new_tokens"], run["prefill_seconds"], run["tau"],
-                                             run["prompt_tokens"], run["set"]) for run in runs]),
+                                             run["prompt_tokens"], run["set"], run["choice"]) for run in runs]),
     }
 
 

@@ -33,7 +33,7 @@ from transformers.utils import logging
 from ..modeling_eagle3 import Eagle3DraftModel
 from .compatibility import check_compatibility, target_layer_ids
 from .loop import decode
-from .settings import ASSISTED_ONLY_KWARGS, SETTING_KWARGS, resolve_settings
+from .settings import ASSISTED_ONLY_KWARGS, SETTING_KWARGS, DecodingSettings, resolve_settings
 from .stats import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats
 
 __all__ = ["Eagle3GenerateOutput", "Eagle3GenerationStats", "Eagle3RowStats", "eagle3_generate", "install"]
@@ -154,7 +154,7 @@ def eagle3_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if settings.tree is None:  # no tree pays here: plain decoding, the draft is not run
-        return _decode_plainly(model, draft, settings.shape_choice, input_ids, logits_processor, stopping_criteria,
+        return _decode_plainly(model, draft, settings, input_ids, logits_processor, stopping_criteria,
                                generation_config, streamer, model_kwargs)
     model_kwargs["cache"] = _keeping_every_entry(model_kwargs.get("cache"))
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
@@ -163,12 +163,12 @@ def eagle3_generate(
                   streamer, record_greedy_cycles, model_kwargs)
 
 
-def _decode_plainly(model, draft: Eagle3DraftModel, reason: str, input_ids, logits_processor, stopping_criteria,
-                    generation_config, streamer, model_kwargs: dict):
+def _decode_plainly(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids, logits_processor,
+                    stopping_criteria, generation_config, streamer, model_kwargs: dict):
     """The loop `generate` itself runs for greedy decoding and sampling, where `tree_shape="auto"` found that no tree
-    pays (`reason`), with the call's statistics."""
-    logger.warning_once(reason)
-    stats = Eagle3GenerationStats(None, shape_choice=reason)
+    pays (`settings.shape_choice` says why), with the call's statistics."""
+    logger.warning_once(settings.shape_choice)
+    stats = Eagle3GenerationStats(None, shape_choice=settings.shape_choice, choice=settings.choice)
     draft.generation_stats = stats
     output = model._sample(input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
                            **model_kwargs)

@@ -105,7 +105,7 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
         keep_scores=bool(return_dict and generation_config.output_scores),
         keep_logits=bool(return_dict and generation_config.output_logits),
     )
-    stats = Eagle3GenerationStats(settings.tree, shape_choice=settings.shape_choice)
+    stats = Eagle3GenerationStats(settings.tree, shape_choice=settings.shape_choice, choice=settings.choice)
     draft.generation_stats = stats
     return Run(
         model, forward, draft, settings, attention, layer_ids, draft.draft_to_target, logits_processor, stopping,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .calibration import TreeChoice
 from .drafter import TreeSettings
 from .tree import DraftTree
 
@@ -46,7 +47,9 @@ class Eagle3GenerationStats:
 
     The row fields read across the batch: `acceptance_lengths` and `greedy_cycles` list every row's cycles, row after
     row (for one sequence, its own), `continuation_tokens` sums them. With `tree_shape="auto"`, `shape_choice` says
-    which shape was chosen and why; `settings` is `None` when the call decoded plainly (the draft was not run).
+    which shape was chosen and why, and `choice` is the calibration's choice the call decoded with (its costs and
+    predictions: what the call's speed is checked against); `settings` is `None` when the call decoded plainly (the
+    draft was not run).
     """
 
     settings: TreeSettings | None
@@ -57,6 +60,7 @@ class Eagle3GenerationStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     shape_choice: str | None = None
+    choice: TreeChoice | None = None
 
     @property
     def acceptance_lengths(self) -> list[int]:

@@ -63,7 +63,13 @@ from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
 from .data import MANIFEST, Example, dataset_digests, load_dataset
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest
-from .vocab import coverage, draft_vocabulary_for_run, load_draft_vocabulary, save_draft_vocabulary
+from .vocab import (
+    coverage,
+    draft_vocabulary_for_run,
+    grow_draft_vocabulary,
+    load_draft_vocabulary,
+    save_draft_vocabulary,
+)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
@@ -81,7 +87,7 @@ FIXED_SETTINGS = {
                         "max_length"),
     "defines the draft the checkpoint holds, or the target it learns from": (
         "target", "draft_vocab_size", "intermediate_size", "fc_norm", "norm_before_residual", "init_draft",
-        "init_head_from_target", "init_layer_from_target"),
+        "grow_draft_vocabulary", "init_head_from_target", "init_layer_from_target"),
     "defines the training loss": ("ttt_steps", "step_decay"),
     "defines the optimizer whose state the checkpoint holds": (
         "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm"),
@@ -148,6 +154,10 @@ class TrainConfig:
     init_draft: str | None = _setting(None, "start from this trained draft (weights and draft vocabulary), e.g. to "
                                             "continue a 1-step run with TTT steps or to fine-tune a released draft on "
                                             "new data; its shape wins over the size settings")
+    grow_draft_vocabulary: bool = _setting(False, "with --init-draft: grow its draft vocabulary to "
+                                                  "--draft-vocab-size with the most frequent answer tokens it lacks "
+                                                  "(its rows keep their weights; the new ones start as the target's "
+                                                  "rows, mapped into the draft's output space)")
     precompute_features: str | None = _setting(None, "directory for the target's features, computed once (bf16) "
                                                      "and read back every epoch; default: computed online")
     threads: int | None = _setting(None, "torch CPU threads per process; default: torch's choice")
@@ -185,6 +195,8 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.weight_decay < 0:
             problems.append(f"--warmup-steps and --weight-decay must be >= 0, got {self.warmup_steps} and "
                             f"{self.weight_decay}")
+        if self.grow_draft_vocabulary and self.init_draft is None:
+            problems.append("--grow-draft-vocabulary grows the vocabulary of --init-draft: pass the draft to grow")
         if self.init_draft is not None and self.init_layer_from_target:
             problems.append("--init-layer-from-target starts a fresh draft from the target, --init-draft from a "
                             "trained draft: pass one of them")
@@ -372,12 +384,34 @@ def load_initial_draft(config: TrainConfig, target: PreTrainedModel) -> Eagle3Dr
     initial = Eagle3DraftModel.from_pretrained(config.init_draft, dtype=torch.float32)
     adopt_target_layers(initial.config, target)  # a foreign checkpoint that does not record its taps
     check_compatibility(initial.config, target)
-    if initial.config.draft_vocab_size != config.draft_vocab_size:
-        raise ValueError(
-            f"--init-draft {config.init_draft} has a draft vocabulary of {initial.config.draft_vocab_size} tokens, the "
-            f"run asks for {config.draft_vocab_size}: pass --draft-vocab-size {initial.config.draft_vocab_size}."
-        )
+    size, wanted = initial.config.draft_vocab_size, config.draft_vocab_size
+    if wanted < size or (wanted > size and not config.grow_draft_vocabulary):
+        grow = f", or --grow-draft-vocabulary to grow it to {wanted}" if wanted > size else " (a vocabulary only grows)"
+        raise ValueError(f"--init-draft {config.init_draft} has a draft vocabulary of {size} tokens, the run asks for "
+                         f"{wanted}: pass --draft-vocab-size {size}{grow}.")
     return initial
+
+
+@torch.no_grad()
+def load_initial_weights(draft: Eagle3DraftModel, initial: Eagle3DraftModel) -> None:
+    """`draft` takes the weights of `initial`, whose draft vocabulary it holds, grown or not: each of `initial`'s
+    `lm_head` rows goes to its token's row. The rows of tokens it lacks start from the target's rows (see
+    `build_draft`) mapped by the least-squares linear map that takes the target's rows of `initial`'s tokens to
+    `initial`'s trained rows: the target's rows as they are would out-score every trained row (their logits start
+    several nats higher, and the grown draft would propose them everywhere), the mapped ones start below."""
+    rows = torch.searchsorted(draft.draft_to_target, initial.draft_to_target)
+    if rows.max() >= draft.draft_to_target.numel() or not torch.equal(draft.draft_to_target[rows],
+                                                                       initial.draft_to_target):
+        raise ValueError("the run's draft vocabulary does not hold every token of --init-draft's: start a new "
+                         "--output-dir (its draft_vocab.safetensors was written for another draft).")
+    head, trained = draft.lm_head.weight, initial.lm_head.weight.to(draft.lm_head.weight.dtype)
+    if rows.numel() < head.shape[0]:
+        mapping = torch.linalg.lstsq(head[rows].float(), trained.float()).solution
+        head.copy_((head.float() @ mapping).to(head.dtype))
+    head[rows] = trained
+    weights = {name: tensor for name, tensor in trainable_state_dict(initial).items()
+               if name not in ("lm_head.weight", "d2t", "t2d")}
+    draft.load_state_dict(weights, strict=False)
 
 
 def record_acceptance_profile(draft: Eagle3DraftModel, target, examples: list[Example], progress: bool) -> None:
@@ -779,18 +813,20 @@ def train(
         draft_config = draft_config_for(target, config)
     else:
         draft_config = initial_draft.config
+        if config.draft_vocab_size != draft_config.draft_vocab_size:  # --grow-draft-vocabulary
+            grown = {"draft_vocab_size": config.draft_vocab_size}
+            draft_config = Eagle3Config.from_dict(draft_config.to_dict() | grown)
         if accelerator.is_main_process and not vocabulary_path.exists():
-            save_draft_vocabulary(vocabulary_path, initial_draft.draft_to_target)
+            save_draft_vocabulary(vocabulary_path, grow_draft_vocabulary(
+                initial_draft.draft_to_target, train_examples, config.draft_vocab_size, draft_config.vocab_size))
     if accelerator.is_main_process:
         draft_vocabulary_for_run(vocabulary_path, train_examples, config.draft_vocab_size, draft_config.vocab_size)
     accelerator.wait_for_everyone()
     draft_token_ids = load_draft_vocabulary(vocabulary_path)
-    init_head = config.init_head_from_target and initial_draft is None
+    init_head = config.init_head_from_target and (initial_draft is None or config.grow_draft_vocabulary)
     draft = build_draft(draft_config, target, draft_token_ids, init_head, config.init_layer_from_target)
     if initial_draft is not None:
-        if not torch.equal(draft_token_ids, initial_draft.draft_to_target):
-            raise ValueError(f"{vocabulary_path} is not the draft vocabulary of --init-draft {config.init_draft}.")
-        draft.load_state_dict(trainable_state_dict(initial_draft), strict=False)
+        load_initial_weights(draft, initial_draft)
     draft.to(accelerator.device)
     ttt = TrainingTimeTest(draft, steps=config.ttt_steps, decay=config.step_decay)
     held_out_ttt = TrainingTimeTest(draft, steps=config.eval_ttt_steps, decay=config.step_decay)  # same draft

@@ -38,6 +38,19 @@ def select_draft_vocabulary(examples: Iterable[Example], draft_vocab_size: int, 
     return by_frequency[:draft_vocab_size].sort().values
 
 
+def grow_draft_vocabulary(token_ids: torch.Tensor, examples: Iterable[Example], draft_vocab_size: int,
+                          vocab_size: int) -> torch.Tensor:
+    """`token_ids` (a trained draft's vocabulary) and the most frequent response tokens it lacks, up to
+    `draft_vocab_size`, sorted by id (ties as `select_draft_vocabulary`)."""
+    if not token_ids.numel() <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {token_ids.numel()} tokens grows to at most {vocab_size}, got "
+                         f"{draft_vocab_size}.")
+    counts = count_response_tokens(examples, vocab_size)
+    counts[token_ids] = -1  # held already: ranked after every other token, never picked twice
+    by_frequency = torch.sort(-counts, stable=True).indices
+    return torch.cat([token_ids, by_frequency[: draft_vocab_size - token_ids.numel()]]).sort().values
+
+
 def save_draft_vocabulary(path: str | Path, token_ids: torch.Tensor) -> None:
     save_file({"token_ids": token_ids.contiguous()}, str(path))
 
@@ -74,6 +87,7 @@ __all__ = [
     "count_response_tokens",
     "coverage",
     "draft_vocabulary_for_run",
+    "grow_draft_vocabulary",
     "load_draft_vocabulary",
     "save_draft_vocabulary",
     "select_draft_vocabulary",
