@@ -813,17 +813,20 @@ def train(
         draft_config = draft_config_for(target, config)
     else:
         draft_config = initial_draft.config
-        if config.draft_vocab_size != draft_config.draft_vocab_size:  # --grow-draft-vocabulary
-            grown = {"draft_vocab_size": config.draft_vocab_size}
-            draft_config = Eagle3Config.from_dict(draft_config.to_dict() | grown)
+        grows = config.draft_vocab_size != draft_config.draft_vocab_size  # --grow-draft-vocabulary (checked)
+        if grows:
+            draft_config = Eagle3Config.from_dict(draft_config.to_dict()
+                                                  | {"draft_vocab_size": config.draft_vocab_size})
         if accelerator.is_main_process and not vocabulary_path.exists():
+            token_ids = initial_draft.draft_to_target
             save_draft_vocabulary(vocabulary_path, grow_draft_vocabulary(
-                initial_draft.draft_to_target, train_examples, config.draft_vocab_size, draft_config.vocab_size))
+                token_ids, train_examples, config.draft_vocab_size, draft_config.vocab_size) if grows else token_ids)
     if accelerator.is_main_process:
         draft_vocabulary_for_run(vocabulary_path, train_examples, config.draft_vocab_size, draft_config.vocab_size)
     accelerator.wait_for_everyone()
     draft_token_ids = load_draft_vocabulary(vocabulary_path)
-    init_head = config.init_head_from_target and (initial_draft is None or config.grow_draft_vocabulary)
+    # a fresh draft's head starts as the target's rows where asked; a grown one's new rows always do (mapped)
+    init_head = config.init_head_from_target if initial_draft is None else grows
     draft = build_draft(draft_config, target, draft_token_ids, init_head, config.init_layer_from_target)
     if initial_draft is not None:
         load_initial_weights(draft, initial_draft)
