@@ -1,15 +1,24 @@
 """The calibration checked against the call itself (`online.OnlineCheck`): a shape slower than plain decoding is
-dropped within the call, after a bounded number of cycles, and cached costs that proved wrong are replaced by the
-call's own, so that the next call measures nothing. Cycle times are injected, never measured."""
+dropped within the call, after a bounded number of cycles, and cached costs that proved wrong are corrected toward
+the call's own, so that the next call measures nothing. Cycle times are injected, never measured."""
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from test_calibration import PROMPT, Measure, auto_draft, cache, profile  # noqa: F401  (fixtures)
 
-from hf_eagle3.decoding.calibration import MachineCosts, calibrate, choose_tree
+from hf_eagle3.decoding.calibration import (
+    MachineCosts,
+    TreeChoice,
+    calibrate,
+    choose_tree,
+    correct_calibration,
+    predict,
+)
+from hf_eagle3.decoding.drafter import TreeSettings
 from hf_eagle3.decoding.online import Decision, OnlineCheck
 
 
@@ -44,8 +53,7 @@ def test_cycles_slower_than_predicted_disprove_the_cached_costs_and_measure_them
     check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020)
     while check.observe(cycle(0.050), 2.0) is Decision.KEEP:
         pass
-    assert check.cycles == 9 and check.costs_disproved
-    assert check.cycle_costs == pytest.approx({"draft": 0.005, "verify": 0.040, "other": 0.005})
+    assert check.cycles == 9 and check.costs_disproved and check.median_cycle == pytest.approx(0.050)
 
 
 def test_one_cycle_that_paid_for_something_else_neither_disproves_the_costs_nor_goes_into_them():
@@ -55,7 +63,7 @@ def test_one_cycle_that_paid_for_something_else_neither_disproves_the_costs_nor_
     for _ in range(7):
         check.observe(cycle(0.021), 2.0)
     assert check.counted == check.min_cycles and not check.costs_disproved
-    assert check.cycle_costs == pytest.approx({"draft": 0.0021, "verify": 0.0168, "other": 0.0021})
+    assert check.median_cycle == pytest.approx(0.021)
 
 
 def record_costs(path) -> MachineCosts:
@@ -74,14 +82,14 @@ def test_generate_goes_on_plainly_when_the_chosen_shape_is_slower_here(cache, ll
     assert torch.equal(output.sequences, expected)
     stats = output.eagle3_stats
     assert "went on plainly" in stats.shape_choice and stats.settings == choice.settings
-    assert "replaced by this call's" in stats.shape_choice
+    assert "corrected halfway toward this call's" in stats.shape_choice
     plain_cycles = stats.acceptance_lengths[9:]
     assert plain_cycles and set(plain_cycles) == {1}  # after 9 cycles, one token per target forward
-    # The cycles cost far more than recorded: the record now holds what the call measured for its shape
-    verified = choice.settings.total_tokens + 1
+    # The cycles cost far more than recorded: the record's cycles are now predicted halfway (in log scale) there
     corrected = record_costs(path)
-    assert corrected.verify[verified] > 10 * choice.costs.verify[verified]
-    assert corrected.plain_step == choice.costs.plain_step  # the rest of the record as it was, not measured again
+    assert corrected.cycle_scale > 10
+    # what was measured is kept as it was, not measured again
+    assert replace(corrected, cycle_scale=1.0) == choice.costs
 
 
 def test_a_call_after_one_that_disproved_the_costs_measures_nothing(cache, llama_target, auto_draft):  # noqa: F811
@@ -96,12 +104,53 @@ def test_a_call_after_one_that_disproved_the_costs_measures_nothing(cache, llama
         stats = output.eagle3_stats
         assert stats.num_cycles <= 9 + 32  # at most 9 cycles with the losing tree, then plain decoding
         shapes.append(stats.settings)
-    # Each call mended the record with its own shape's costs and the next predicted from it: no call measured again
+    # The first call mended the record and the next predicted from it: no call measured again
     # (a measurement would have replaced the injected plain step, and `measure` counts the calls it serves)
     assert measure.calls == 1 and record_costs(path).plain_step == 1e-4
-    # The first call measured more outside drafting and verification than the record's whole plain step: no tree is
-    # predicted to pay any more, and the later calls decode plainly
+    # The first call's cycles cost so much more than the record's whole plain step that, even halfway there, no tree
+    # is predicted to pay any more, and the later calls decode plainly
     assert shapes[0] is not None and shapes[1:] == [None, None]
+
+
+SHAPES = [TreeSettings(2, 4, 8), TreeSettings(3, 4, 12), TreeSettings(4, 8, 24)]
+PROFILE = [{"tree_depth": shape.depth, "tree_top_k": shape.top_k, "tree_total_tokens": shape.total_tokens, "tau": tau}
+           for shape, tau in zip(SHAPES, [2.0, 2.4, 2.9])]
+
+
+def recorded_choice(path, costs: MachineCosts) -> TreeChoice:
+    """The choice `choose_tree` makes from `costs`, written as the cache record at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": {}, "costs": costs.to_json()}))
+    predictions = predict(PROFILE, costs)
+    return TreeChoice(predictions[0].settings, predictions[0].tokens_per_second * costs.plain_step, "test", costs,
+                      predictions, path)
+
+
+def test_one_call_at_a_noisy_moment_moves_the_record_halfway_and_leaves_the_shapes_in_order(tmp_path):
+    costs = MachineCosts("a test machine", plain_step=0.050, verify={9: 0.045, 13: 0.050, 25: 0.080},
+                         draft={(2, 4): 0.004, (3, 4): 0.006, (4, 8): 0.012}, other=0.002)
+    choice = recorded_choice(tmp_path / "record.json", costs)
+    assert choice.settings == TreeSettings(3, 4, 12)
+    # one call whose cycles ran at 4x the prediction (a burst of load on the machine)
+    corrected = correct_calibration(choice, 4 * choice.prediction.cycle_seconds)
+    assert corrected.cycle_scale == pytest.approx(2.0) and record_costs(tmp_path / "record.json") == corrected
+    before, after = predict(PROFILE, costs), predict(PROFILE, corrected)
+    assert [p.settings for p in after] == [p.settings for p in before]  # the next call keeps the shape
+    assert [p.cycle_seconds for p in after] == pytest.approx([2 * p.cycle_seconds for p in before])
+    assert replace(corrected, cycle_scale=1.0) == costs  # what was measured stays as it was measured
+
+
+def test_a_record_that_is_consistently_wrong_is_mended_within_a_few_calls(tmp_path):
+    costs = MachineCosts("a test machine", plain_step=0.050, verify={9: 0.030, 13: 0.040, 25: 0.070},
+                         draft={(2, 4): 0.004, (3, 4): 0.006, (4, 8): 0.012}, other=0.002)
+    true_cycle = {shape: 1.6 * sum(costs.cycle_parts(shape).values()) for shape in SHAPES}  # 60 % above the record
+    errors = []
+    for _ in range(4):
+        choice = recorded_choice(tmp_path / "record.json", costs)
+        errors.append(true_cycle[choice.settings] / choice.prediction.cycle_seconds - 1)
+        costs = correct_calibration(choice, true_cycle[choice.settings])
+    assert errors == pytest.approx([0.6, 1.6 ** 0.5 - 1, 1.6 ** 0.25 - 1, 1.6 ** 0.125 - 1])  # halved each call
+    assert costs.cycle_scale == pytest.approx(1.6 ** (1 - 1 / 16))
 
 
 def test_a_benchmarked_call_is_predicted_from_the_choice_it_decoded_with(cache, llama_target, auto_draft):  # noqa: F811

@@ -75,8 +75,7 @@ def _calibrated_cycle_ms(costs, shape) -> dict | None:
     """The calibration's split of a cycle of `shape` (`None` when nothing was measured or the call decoded plainly)."""
     if costs is None or shape is None:
         return None
-    return {"draft": 1000 * costs.draft[shape.depth, shape.top_k],
-            "verify": 1000 * costs.verify[shape.total_tokens + 1], "other": 1000 * costs.other}
+    return {part: 1000 * seconds for part, seconds in costs.cycle_parts(shape).items()}
 
 
 def run_demo(
@@ -202,9 +201,9 @@ def _describe_choice(name: str, choice: TreeChoice) -> str:
             + (f" after {contexts} cached tokens" if steps else "") + f" (spread {costs.spread:.0%})")
     if choice.settings is None:
         return f"{head}; {choice.reason}"
-    shape = choice.settings
-    return (f"{head}; verifying {shape.total_tokens + 1} tokens {1000 * costs.verify[shape.total_tokens + 1]:5.1f} ms, "
-            f"drafting {1000 * costs.draft[shape.depth, shape.top_k]:4.1f} ms -> tree {shape.depth}x{shape.top_k}x"
+    shape, parts = choice.settings, costs.cycle_parts(choice.settings)
+    return (f"{head}; verifying {shape.total_tokens + 1} tokens {1000 * parts['verify']:5.1f} ms, "
+            f"drafting {1000 * parts['draft']:4.1f} ms -> tree {shape.depth}x{shape.top_k}x"
             f"{shape.total_tokens} (depth x top-k x tokens), predicted {choice.predicted_speedup:.2f}x plain")
 
 

@@ -29,9 +29,11 @@ plain `generate`'s own, the median time between its tokens (a clock in its stopp
 spread (interquartile range over median, `MachineCosts.spread`) exceeds `MAX_SPREAD` is taken again once; still
 noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so.
 Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's and switches to plain
-decoding when the shape loses; cycles that cost other than predicted replace the record's costs of their shape with
-what the call measured (`correct_calibration`), so that a wrong record is mended without measuring again inside a
-user's call.
+decoding when the shape loses; cycles that cost other than predicted move the record's `cycle_scale` halfway (in log
+scale) toward what the call measured (`correct_calibration`), so that a wrong record is mended without measuring again
+inside a user's call. The scale multiplies every shape's cycle alike: the shapes keep the order their interleaved
+measurement gave them, and one call that ran at a noisy moment neither pins its shape to its own cost (after which
+nothing would measure that shape again) nor sends the next call to another shape.
 
 The cache is an optimisation, never a point of failure: a record that cannot be read or is invalid is reported once,
 naming the file, and measured again; a cache that cannot be written (read-only, full, a file in the way) is reported
@@ -79,6 +81,8 @@ PLAIN_CONTEXTS = (48, CALIBRATION_PREFIX, 320)  # cached tokens the decode step 
 CALIBRATION_METHOD = 4  # in the key: records of an earlier way of measuring are measured again
 SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
 MAX_RECORD_BYTES = 1 << 20
+CORRECTION_WEIGHT = 0.5  # how far one call moves the record's cycle scale toward what it measured, in log scale
+SCALE_RANGE = (1e-3, 1e3)  # a cycle scale outside this is no correction
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # what decides a CPU's float32 / bfloat16 speed
 logger = logging.get_logger(__name__)
 # Costs measured in this process that could not be written to the cache, or stayed noisy, by record path: the
@@ -126,7 +130,10 @@ class MachineCosts:
     alone); `verify[n]`: one target forward over `n` tokens per
     row (a tree of `n - 1` nodes and its root); `draft[(depth, top_k)]`: the draft's work in one cycle, every row;
     `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping); `spread`: the interquartile range over
-    median, over the measurement's rounds, of the predicted speedup of the shape the medians choose (`MAX_SPREAD`).
+    median, over the measurement's rounds, of the predicted speedup of the shape the medians choose (`MAX_SPREAD`);
+    `cycle_scale`: what calls measured per cycle over what was measured here, a running geometric mean over the calls
+    that disproved the record (`correct_calibration`; 1 until one does): every shape's cycle is predicted at its
+    measured parts times this (`cycle_parts`).
     """
 
     machine: str
@@ -136,6 +143,14 @@ class MachineCosts:
     other: float
     spread: float = 0.0
     plain_steps: dict[int, float] = field(default_factory=dict)
+    cycle_scale: float = 1.0
+
+    def cycle_parts(self, shape: TreeSettings) -> dict[str, float]:
+        """The predicted seconds of each part of a cycle of `shape` (`stats.CYCLE_PARTS`): drafting, verifying its
+        tree and the rest, as measured, times `cycle_scale`."""
+        return {"draft": self.cycle_scale * self.draft[shape.depth, shape.top_k],
+                "verify": self.cycle_scale * self.verify[shape.total_tokens + 1],
+                "other": self.cycle_scale * self.other}
 
     def plain_step_at(self, context: float | None) -> float:
         """Plain decoding's step with `context` tokens cached: interpolated between the measured `plain_steps`, the
@@ -164,9 +179,12 @@ class MachineCosts:
                             "seconds]")
         if not all(isinstance(entry, list) and len(entry) == 3 for entry in draft):
             raise ValueError("draft must list [depth, top_k, seconds]")
-        spread = record.get("spread", 0.0)
+        spread, scale = record.get("spread", 0.0), record.get("cycle_scale", 1.0)
         if isinstance(spread, bool) or not isinstance(spread, int | float) or not 0 <= spread < math.inf:
             raise ValueError(f"spread must be a finite number >= 0, got {spread!r}")
+        low, high = SCALE_RANGE
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not low <= scale <= high:
+            raise ValueError(f"cycle_scale must be a number in [{low:g}, {high:g}], got {scale!r}")
         return cls(
             machine=record["machine"],
             plain_step=_seconds(record.get("plain_step"), "plain_step"),
@@ -178,6 +196,7 @@ class MachineCosts:
             spread=float(spread),
             plain_steps={_count(int(n) if n.isdigit() else n, "a cached token count", 1 << 20):
                          _seconds(seconds, f"plain_steps[{n}]") for n, seconds in plain_steps.items()},
+            cycle_scale=float(scale),
         )
 
 
@@ -296,11 +315,8 @@ def predict(profile: list[dict], costs: MachineCosts, ngram_candidates: bool = F
     rows = {shape: row for shape, row in profile_rows(profile, False)}
     if ngram_candidates:
         rows |= dict(profile_rows(profile, True))
-    predictions = [
-        ShapePrediction(shape, row["tau"], costs.draft[shape.depth, shape.top_k] + costs.verify[shape.total_tokens + 1]
-                        + costs.other, row.get("tau_by_set", {}))
-        for shape, row in rows.items()
-    ]
+    predictions = [ShapePrediction(shape, row["tau"], sum(costs.cycle_parts(shape).values()), row.get("tau_by_set", {}))
+                   for shape, row in rows.items()]
     return sorted(predictions, key=lambda prediction: -prediction.tokens_per_second)
 
 
@@ -603,21 +619,20 @@ def write_record(path: Path, key: dict, costs: MachineCosts) -> bool:
         return False
 
 
-def correct_calibration(choice: TreeChoice, cycle_costs: dict[str, float]) -> MachineCosts | None:
-    """Replace, in the record `choice` was predicted from, the costs of its shape by what a call decoding with it
-    measured per cycle (`cycle_costs`: `online.OnlineCheck.cycle_costs`, seconds of drafting, of verifying the tree
-    and of the rest): the next call predicts with them and measures nothing. A record that no longer holds the costs
-    `choice` read (measured again meanwhile) is left as it is. Returns the corrected costs (`None`: nothing
-    corrected); written where the record was, or kept in memory for the process where it cannot be."""
+def correct_calibration(choice: TreeChoice, measured_cycle: float) -> MachineCosts | None:
+    """Move the `cycle_scale` of the record `choice` was predicted from halfway (`CORRECTION_WEIGHT`, in log scale)
+    toward what a call decoding with its shape measured per cycle (`measured_cycle` seconds: the median of
+    `online.OnlineCheck`'s first cycles): the next call predicts with it and measures nothing. A record consistently
+    wrong is mended within a few calls (its error halves at each), one call at a noisy moment moves it by half its
+    error at most, and every shape alike. A record that no longer holds the costs `choice` read (measured again
+    meanwhile) is left as it is. Returns the corrected costs (`None`: nothing corrected); written where the record
+    was, or kept in memory for the process where it cannot be."""
     costs, shape, path = choice.costs, choice.settings, choice.path
     if costs is None or shape is None or path is None:
         return None
-    corrected = replace(
-        costs,
-        verify=costs.verify | {shape.total_tokens + 1: max(cycle_costs["verify"], SECONDS_RANGE[0])},
-        draft=costs.draft | {(shape.depth, shape.top_k): max(cycle_costs["draft"], SECONDS_RANGE[0])},
-        other=max(cycle_costs["other"], 0.0),
-    )
+    predicted = sum(costs.cycle_parts(shape).values())
+    scale = costs.cycle_scale * (max(measured_cycle, SECONDS_RANGE[0]) / predicted) ** CORRECTION_WEIGHT
+    corrected = replace(costs, cycle_scale=min(max(scale, SCALE_RANGE[0]), SCALE_RANGE[1]))
     if path in _KEPT_IN_MEMORY:
         if _KEPT_IN_MEMORY[path] != costs:
             return None
@@ -708,10 +723,12 @@ def choose_tree(
     compiled = (", compiled" if compile_config is not None else "") + (
         f", a static cache of {static_length}" if static_length is not None else "")
     context = f" after {context_length:.0f} cached tokens" if context_length is not None and costs.plain_steps else ""
+    parts = costs.cycle_parts(best.settings)
+    scaled = (f" (the measured costs times {costs.cycle_scale:.2f}, as calls found them)" if costs.cycle_scale != 1
+              else "")
     measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}{compiled}: a decode "
                 f"step takes {1000 * plain_step:.1f} ms{context}, verifying {best.settings.total_tokens + 1} tokens "
-                f"{1000 * costs.verify[best.settings.total_tokens + 1]:.1f} ms, drafting "
-                f"{1000 * costs.draft[best.settings.depth, best.settings.top_k]:.1f} ms")
+                f"{1000 * parts['verify']:.1f} ms, drafting {1000 * parts['draft']:.1f} ms{scaled}")
     force = "Pass tree_depth / tree_top_k / tree_total_tokens to force a tree."
     if costs.spread > MAX_SPREAD:
         reason = (f"EAGLE-3 decodes plainly here: this machine was too noisy to calibrate (costs spread by "

@@ -241,18 +241,19 @@ def online_check(settings: DecodingSettings) -> OnlineCheck | None:
 
 def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds: dict[str, float],
                  acceptances: list[Acceptance]) -> OnlineCheck | None:
-    """Count the cycle (its parts' seconds); once the cycles counted show the cached costs wrong, the call's own
-    replace them (once); once the call's speed falls short of plain decoding's, every row goes on plainly (its
+    """Count the cycle (its parts' seconds); once the cycles counted show the cached costs wrong, correct them
+    toward the call's own (once); once the call's speed falls short of plain decoding's, every row goes on plainly (its
     proposer proposes no candidate). Returns the check while it goes on, `None` once it has decided."""
     tokens = sum(accepted.path.numel() for accepted in acceptances) / len(acceptances)
     decision = online.observe(part_seconds, tokens)
     choice = run.settings.choice
     if online.counted == online.min_cycles and online.costs_disproved:
-        predicted = choice.prediction.cycle_seconds
-        if correct_calibration(choice, online.cycle_costs) is not None:
-            measured = 1000 * sum(online.cycle_costs.values())
-            run.stats.shape_choice += (f"; its cycles cost {measured:.1f} ms here, not {1000 * predicted:.1f} ms: "
-                                       "the cached costs of the shape are replaced by this call's")
+        corrected = correct_calibration(choice, online.median_cycle)
+        if corrected is not None:
+            run.stats.shape_choice += (
+                f"; its cycles cost {1000 * online.median_cycle:.1f} ms here, not {1000 * online.predicted_cycle:.1f} "
+                f"ms: the cached costs were corrected halfway toward this call's (cycle scale "
+                f"{choice.costs.cycle_scale:.2f} -> {corrected.cycle_scale:.2f})")
     if decision is Decision.KEEP:
         return online
     run.stats.shape_choice += (f"; measured in this call at {online.speedup:.2f}x plain decoding after "

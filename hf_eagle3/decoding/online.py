@@ -3,10 +3,10 @@ chose knows, cycle after cycle, what each part of the cycle cost (`stats.CYCLE_P
 emitted. When the call's speed so far falls short of plain decoding's calibrated speed by `margin`, after
 `min_cycles` cycles (the first, which may pay for kernel selection, not counted), the call goes on plainly: at most
 `min_cycles + 1` cycles are spent at the losing speed, whatever the length of the call. When the cycles cost other
-than predicted (by more than `cost_margin`), the cached costs of the shape were wrong (`costs_disproved`), and what
-the call measured for them (`cycle_costs`) replaces them in the record: the next call predicts with real costs,
-without measuring anything again. Both read the medians of the first `min_cycles` counted cycles, so that one cycle
-that paid for something else (a compilation, a burst of load) neither disproves a record nor goes into it.
+than predicted (by more than `cost_margin`), the cached costs were wrong (`costs_disproved`), and the record is
+corrected toward what the call measured (`median_cycle`; `calibration.correct_calibration`): the next call predicts
+with it, without measuring anything again. Both read the median of the first `min_cycles` counted cycles, so that
+one cycle that paid for something else (a compilation, a burst of load) neither disproves a record nor goes into it.
 """
 
 import enum
@@ -35,7 +35,7 @@ class OnlineCheck:
     seconds: float = 0.0  # of the counted cycles
     tokens: float = 0.0  # emitted per row by the counted cycles
     decision: Decision = Decision.KEEP
-    samples: list[dict[str, float]] = field(default_factory=list)  # the first `min_cycles` counted cycles' parts
+    samples: list[float] = field(default_factory=list)  # the first `min_cycles` counted cycles' seconds
 
     def observe(self, part_seconds: dict[str, float], tokens: float) -> Decision:
         """Count one cycle whose parts took `part_seconds` (by `CYCLE_PARTS`) and that emitted `tokens` per row; the
@@ -45,9 +45,10 @@ class OnlineCheck:
         self.cycles += 1
         if self.cycles == 1:
             return self.decision
-        self.seconds += sum(part_seconds[part] for part in CYCLE_PARTS)
+        seconds = sum(part_seconds[part] for part in CYCLE_PARTS)
+        self.seconds += seconds
         if len(self.samples) < self.min_cycles:
-            self.samples.append({part: part_seconds[part] for part in CYCLE_PARTS})
+            self.samples.append(seconds)
         self.tokens += tokens
         if self.cycles > self.min_cycles and self.tokens_per_second < (1 - self.margin) / self.plain_step:
             self.decision = Decision.PLAIN
@@ -69,16 +70,13 @@ class OnlineCheck:
         return self.tokens_per_second * self.plain_step
 
     @property
-    def cycle_costs(self) -> dict[str, float]:
-        """The median seconds of each part (`CYCLE_PARTS`) over the first `min_cycles` counted cycles."""
-        return {part: statistics.median(sample[part] for sample in self.samples) if self.samples else 0.0
-                for part in CYCLE_PARTS}
+    def median_cycle(self) -> float:
+        """The median seconds of a whole cycle over the first `min_cycles` counted cycles (0 before any)."""
+        return statistics.median(self.samples) if self.samples else 0.0
 
     @property
     def costs_disproved(self) -> bool:
         """Whether the first `min_cycles` counted cycles cost other than predicted by more than `cost_margin` (their
         median; not only a lower τ), once they are counted."""
-        if len(self.samples) < self.min_cycles:
-            return False
-        median_cycle = statistics.median(sum(sample.values()) for sample in self.samples)
-        return abs(median_cycle / self.predicted_cycle - 1) > self.cost_margin
+        return (len(self.samples) >= self.min_cycles
+                and abs(self.median_cycle / self.predicted_cycle - 1) > self.cost_margin)
