@@ -27,12 +27,37 @@ def cycle(seconds: float) -> dict[str, float]:
     return {"draft": 0.1 * seconds, "verify": 0.8 * seconds, "other": 0.1 * seconds}
 
 
-def test_a_shape_slower_than_plain_decoding_is_dropped_after_the_minimum_cycles():
+def plain_cycle(step: float) -> dict[str, float]:
+    """A trial's plain cycle whose step (verification and the rest) takes `step`, plus keeping the paused draft
+    current."""
+    return {"draft": 0.2 * step, "verify": 0.9 * step, "other": 0.1 * step}
+
+
+def test_a_shape_slower_than_plain_decoding_is_dropped_after_a_trial_of_plain_decoding():
     check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020, min_cycles=8)  # plain: 100 tokens/s
-    decisions = [check.observe(cycle(0.020), 1.5) for _ in range(12)]  # 75 tokens/s
+    decisions = [check.observe(cycle(0.020), 1.5) for _ in range(9)]  # 75 tokens/s
     assert decisions[:8] == [Decision.KEEP] * 8  # the first cycle (kernel selection) is not counted: 8 more decide
-    assert decisions[8:] == [Decision.PLAIN] * 4 and check.speedup == pytest.approx(0.75)
+    assert decisions[8] is Decision.TRIAL and check.speedup == pytest.approx(0.75)
+    # the trial: 9 plain cycles, the first not counted, at the calibrated step (the draft's upkeep not counted)
+    trial = [check.observe(plain_cycle(0.010), 1.0) for _ in range(9)]
+    assert trial == [Decision.TRIAL] * 8 + [Decision.PLAIN] and check.settled
+    assert check.measured_plain_step == pytest.approx(0.010) and check.measured_speedup == pytest.approx(0.75)
+    assert check.observe(cycle(0.001), 30.0) is Decision.PLAIN  # decided for the rest of the call
     assert not check.costs_disproved  # the cycles cost what was predicted: only τ was lower than the profile's
+
+
+def test_a_tree_that_loses_only_to_a_step_calibrated_on_a_quieter_machine_goes_back_after_the_trial():
+    check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020)
+    # the machine is 1.5x slower than when it was calibrated: the tree's 2.4 tokens take 30 ms (80 tokens/s, under
+    # the calibrated 100), and plain decoding takes 15 ms a token (67 tokens/s)
+    while check.observe(cycle(0.030), 2.4) is Decision.KEEP:
+        pass
+    while check.observe(plain_cycle(0.015), 1.0) is Decision.TRIAL:
+        pass
+    assert check.decision is Decision.KEEP and check.settled and check.measured_speedup == pytest.approx(1.2)
+    assert check.observe(cycle(1.0), 1.0) is Decision.KEEP  # decided for the rest of the call
+    # at the calibration's speed the cycles cost what was predicted: the record is not disproved
+    assert check.measured_cycle == pytest.approx(0.020) and not check.costs_disproved
 
 
 def test_a_shape_faster_than_plain_decoding_is_kept():
@@ -53,7 +78,7 @@ def test_cycles_slower_than_predicted_disprove_the_cached_costs_and_measure_them
     check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020)
     while check.observe(cycle(0.050), 2.0) is Decision.KEEP:
         pass
-    assert check.cycles == 9 and check.costs_disproved and check.median_cycle == pytest.approx(0.050)
+    assert check.cycles == 9 and check.costs_disproved and check.measured_cycle == pytest.approx(0.050)
 
 
 def test_one_cycle_that_paid_for_something_else_neither_disproves_the_costs_nor_goes_into_them():
@@ -63,53 +88,69 @@ def test_one_cycle_that_paid_for_something_else_neither_disproves_the_costs_nor_
     for _ in range(7):
         check.observe(cycle(0.021), 2.0)
     assert check.counted == check.min_cycles and not check.costs_disproved
-    assert check.median_cycle == pytest.approx(0.021)
+    assert check.measured_cycle == pytest.approx(0.021)
 
 
 def record_costs(path) -> MachineCosts:
     return MachineCosts.from_json(json.loads(path.read_text())["costs"])
 
 
-def test_generate_goes_on_plainly_when_the_chosen_shape_is_slower_here(cache, llama_target, auto_draft):  # noqa: F811
-    # A record claiming plain decoding takes 0.1 ms a token: every tree is predicted to pay, none does for real
+def test_a_call_whose_tree_loses_to_the_calibrated_step_tries_plain_decoding_and_keeps_the_faster(
+        cache, llama_target, auto_draft):  # noqa: F811
+    # A record claiming plain decoding takes 0.1 ms a token: every tree is predicted to pay, none keeps up for real
     _, path = calibrate(llama_target, auto_draft, measure=Measure(plain_step=1e-4, verify=5e-5))
     choice = choose_tree(llama_target, auto_draft)
     assert choice.settings is not None
-    draft = copy.deepcopy(auto_draft)
     expected = llama_target.generate(PROMPT, max_new_tokens=48, do_sample=False)
-    output = llama_target.generate(PROMPT, max_new_tokens=48, do_sample=False, assistant_model=draft,
-                                   return_dict_in_generate=True)
+    output = llama_target.generate(PROMPT, max_new_tokens=48, do_sample=False,
+                                   assistant_model=copy.deepcopy(auto_draft), return_dict_in_generate=True)
     assert torch.equal(output.sequences, expected)
     stats = output.eagle3_stats
-    assert "went on plainly" in stats.shape_choice and stats.settings == choice.settings
-    assert "corrected halfway toward this call's" in stats.shape_choice
-    plain_cycles = stats.acceptance_lengths[9:]
-    assert plain_cycles and set(plain_cycles) == {1}  # after 9 cycles, one token per target forward
-    # The cycles cost far more than recorded: the record's cycles are now predicted halfway (in log scale) there
-    corrected = record_costs(path)
-    assert corrected.cycle_scale > 10
-    # what was measured is kept as it was, not measured again
-    assert replace(corrected, cycle_scale=1.0) == choice.costs
+    assert stats.settings == choice.settings
+    assert "so it decoded plainly for 9 cycles to measure plain decoding here" in stats.shape_choice
+    assert set(stats.acceptance_lengths[9:18]) == {1}  # after 9 cycles, the trial: one token per target forward
+    # which of the two is faster here is the machine's to say; the call says which it kept
+    went_on_plainly = "so it went on plainly" in stats.shape_choice
+    assert went_on_plainly != ("so it went back to the tree" in stats.shape_choice)
+    if went_on_plainly:
+        assert set(stats.acceptance_lengths[18:]) == {1}
+    # whatever the call found, what was measured stays in the record as it was measured
+    assert replace(record_costs(path), cycle_scale=1.0) == choice.costs
+
+
+def test_a_call_that_finds_its_tree_faster_than_plain_decoding_measured_in_the_call_goes_back_to_it(
+        cache, llama_target, auto_draft, monkeypatch):  # noqa: F811
+    calibrate(llama_target, auto_draft, measure=Measure(plain_step=1e-4, verify=5e-5))
+    # the trial's verdict injected (which of the two is faster is the machine's to say): the tree, at 2x
+    monkeypatch.setattr(OnlineCheck, "measured_speedup", property(lambda check: 2.0))
+    expected = llama_target.generate(PROMPT, max_new_tokens=48, do_sample=False)
+    output = llama_target.generate(PROMPT, max_new_tokens=48, do_sample=False,
+                                   assistant_model=copy.deepcopy(auto_draft), return_dict_in_generate=True)
+    assert torch.equal(output.sequences, expected)
+    stats = output.eagle3_stats
+    assert "so it went back to the tree" in stats.shape_choice and "went on plainly" not in stats.shape_choice
+    # the draft was kept current through the trial: its trees are accepted again, as in a call with no trial
+    lengths = stats.acceptance_lengths
+    assert set(lengths[9:18]) == {1} and max(lengths[18:]) > 1
+    untried = llama_target.generate(PROMPT, max_new_tokens=48, do_sample=False, assistant_model=copy.deepcopy(
+        auto_draft), tree_depth=stats.settings.depth, tree_top_k=stats.settings.top_k,
+        tree_total_tokens=stats.settings.total_tokens, return_dict_in_generate=True).eagle3_stats
+    assert sum(lengths[18:]) / len(lengths[18:]) >= 0.8 * untried.mean_acceptance_length
 
 
 def test_a_call_after_one_that_disproved_the_costs_measures_nothing(cache, llama_target, auto_draft):  # noqa: F811
     measure = Measure(plain_step=1e-4, verify=5e-5)
     _, path = calibrate(llama_target, auto_draft, measure=measure)
     expected = llama_target.generate(PROMPT, max_new_tokens=32, do_sample=False)
-    shapes = []
     for _ in range(3):
         output = llama_target.generate(PROMPT, max_new_tokens=32, do_sample=False,
                                        assistant_model=copy.deepcopy(auto_draft), return_dict_in_generate=True)
         assert torch.equal(output.sequences, expected)
-        stats = output.eagle3_stats
-        assert stats.num_cycles <= 9 + 32  # at most 9 cycles with the losing tree, then plain decoding
-        shapes.append(stats.settings)
-    # The first call mended the record and the next predicted from it: no call measured again
-    # (a measurement would have replaced the injected plain step, and `measure` counts the calls it serves)
+        # at most 9 cycles with the tree and 9 of the trial, then whichever was faster
+        assert output.eagle3_stats.num_cycles <= 18 + 32
+    # Each call predicted from the record as the calls before it left it: none measured again (a measurement would
+    # have replaced the injected plain step, and `measure` counts the calls it serves)
     assert measure.calls == 1 and record_costs(path).plain_step == 1e-4
-    # The first call's cycles cost so much more than the record's whole plain step that, even halfway there, no tree
-    # is predicted to pay any more, and the later calls decode plainly
-    assert shapes[0] is not None and shapes[1:] == [None, None]
 
 
 SHAPES = [TreeSettings(2, 4, 8), TreeSettings(3, 4, 12), TreeSettings(4, 8, 24)]
@@ -156,20 +197,22 @@ def test_a_record_that_is_consistently_wrong_is_mended_within_a_few_calls(tmp_pa
 def test_a_benchmarked_call_is_predicted_from_the_choice_it_decoded_with(cache, llama_target, auto_draft):  # noqa: F811
     from hf_eagle3.commands.bench import Call, prediction_entry
 
-    calibrate(llama_target, auto_draft, measure=Measure(plain_step=1e-4, verify=5e-5))
+    calibrate(llama_target, auto_draft, measure=Measure())  # plain decoding at 1 token/s: every tree pays
     before = choose_tree(llama_target, auto_draft)
     calls = []
-    for _ in range(2):
+    for index in range(2):
         stats = llama_target.generate(PROMPT, max_new_tokens=32, do_sample=False,
                                       assistant_model=copy.deepcopy(auto_draft),
                                       return_dict_in_generate=True).eagle3_stats
         tau = stats.mean_acceptance_length if stats.settings else 1.0
         calls.append(Call(32, stats.prefill_seconds, tau, PROMPT.shape[1], None, stats.choice))
+        if index == 0:  # measured again, on a machine where no tree pays: the next call decodes plainly
+            calibrate(llama_target, auto_draft, recalibrate=True, measure=Measure(plain_step=1e-4, verify=1.0))
     first, second = (call.choice for call in calls)
     assert first.settings == before.settings and first.costs == before.costs
-    assert second.settings is None and second.costs != before.costs  # chosen from the costs the first call corrected
+    assert second.settings is None and second.costs != before.costs
     entry = prediction_entry(before, 1.0, calls)
-    # the second call is predicted as what it did, plain decoding (1.0x), not as the shape the first one dropped
+    # the second call is predicted as what it did, plain decoding (1.0x), not as the shape the first one used
     expected = (first.call_speedup(32, calls[0].prefill_seconds, first.prediction.tau, PROMPT.shape[1]) + 1.0) / 2
     assert entry["predicted_speedup"] == pytest.approx(expected)
     assert entry["predicted_tau"] == pytest.approx((first.prediction.tau + 1.0) / 2)

@@ -1,12 +1,24 @@
 """The calibration's prediction checked against the call itself: a call decoding with the shape `tree_shape="auto"`
 chose knows, cycle after cycle, what each part of the cycle cost (`stats.CYCLE_PARTS`) and how many tokens it
-emitted. When the call's speed so far falls short of plain decoding's calibrated speed by `margin`, after
-`min_cycles` cycles (the first, which may pay for kernel selection, not counted), the call goes on plainly: at most
-`min_cycles + 1` cycles are spent at the losing speed, whatever the length of the call. When the cycles cost other
-than predicted (by more than `cost_margin`), the cached costs were wrong (`costs_disproved`), and the record is
-corrected toward what the call measured (`median_cycle`; `calibration.correct_calibration`): the next call predicts
-with it, without measuring anything again. Both read the median of the first `min_cycles` counted cycles, so that
-one cycle that paid for something else (a compilation, a burst of load) neither disproves a record nor goes into it.
+emitted.
+
+When the call's speed so far falls short of plain decoding's calibrated speed by `margin`, after `min_cycles` cycles
+(the first, which may pay for kernel selection, not counted), the call decodes plainly for a trial of `min_cycles`
+more cycles, which measures plain decoding here and now (the first not counted either). The calibrated step alone
+cannot decide: on a shared machine the speed drifts by tens of percent between the calibration and a call, and a
+call's tree that lost only to a step measured at a quieter moment would be dropped while it still beats plain
+decoding. After the trial the call keeps the faster of the two, measured minutes apart at most: plainly for the
+rest, or back to the tree (its draft kept current meanwhile). A call tries plain decoding once: at most
+`min_cycles + 1` cycles are spent at the losing speed (the tree's before the trial, or the trial's), whatever the
+length of the call.
+
+When the cycles cost other than predicted (by more than `cost_margin`), the cached costs were wrong
+(`costs_disproved`), and the record is corrected toward what the call measured (`measured_cycle`;
+`calibration.correct_calibration`): the next call predicts with it, without measuring anything again. After a trial
+the measured cycle is compared at the calibration's speed (times the calibrated plain step over the measured one), so
+that a machine slower than when it was calibrated does not count as wrong costs. Both read medians of `min_cycles`
+counted cycles, so that one cycle that paid for something else (a compilation, a burst of load) neither disproves a
+record nor goes into it.
 """
 
 import enum
@@ -18,6 +30,7 @@ from .stats import CYCLE_PARTS
 
 class Decision(enum.Enum):
     KEEP = "keep"  # go on with the tree
+    TRIAL = "trial"  # decode plainly for `min_cycles` cycles, measuring plain decoding's speed here and now
     PLAIN = "plain"  # go on plainly: the tree is slower than plain decoding here
 
 
@@ -31,16 +44,27 @@ class OnlineCheck:
     min_cycles: int = 8
     margin: float = 0.10
     cost_margin: float = 0.25
-    cycles: int = 0  # observed until the decision, the first included
-    seconds: float = 0.0  # of the counted cycles
-    tokens: float = 0.0  # emitted per row by the counted cycles
+    cycles: int = 0  # tree cycles observed, the first included
+    seconds: float = 0.0  # of the counted tree cycles
+    tokens: float = 0.0  # emitted per row by the counted tree cycles
     decision: Decision = Decision.KEEP
-    samples: list[float] = field(default_factory=list)  # the first `min_cycles` counted cycles' seconds
+    settled: bool = False  # decided for the rest of the call (after a trial)
+    samples: list[float] = field(default_factory=list)  # the first `min_cycles` counted tree cycles' seconds
+    trial_cycles: int = 0  # plain cycles of the trial, the first included
+    plain_samples: list[float] = field(default_factory=list)  # the trial's counted plain steps' seconds
+    costs_checked: bool = False  # whether the call has compared its cycles with the record (once)
 
     def observe(self, part_seconds: dict[str, float], tokens: float) -> Decision:
         """Count one cycle whose parts took `part_seconds` (by `CYCLE_PARTS`) and that emitted `tokens` per row; the
-        decision for the next ones (once `PLAIN`, it stays, and later cycles are not counted)."""
-        if self.decision is Decision.PLAIN:
+        decision for the next ones (final once `settled`)."""
+        if self.settled:
+            return self.decision
+        if self.decision is Decision.TRIAL:
+            self.trial_cycles += 1
+            if self.trial_cycles > 1:  # keeping the tree's draft current (drafting) is not plain decoding's work
+                self.plain_samples.append(part_seconds["verify"] + part_seconds["other"])
+            if len(self.plain_samples) == self.min_cycles:
+                self.decision, self.settled = (Decision.PLAIN if self.measured_speedup < 1 else Decision.KEEP), True
             return self.decision
         self.cycles += 1
         if self.cycles == 1:
@@ -51,32 +75,47 @@ class OnlineCheck:
             self.samples.append(seconds)
         self.tokens += tokens
         if self.cycles > self.min_cycles and self.tokens_per_second < (1 - self.margin) / self.plain_step:
-            self.decision = Decision.PLAIN
+            self.decision = Decision.TRIAL
         return self.decision
 
     @property
     def counted(self) -> int:
-        """The cycles the check has counted (all observed but the first)."""
+        """The tree cycles the check has counted (all observed but the first)."""
         return max(self.cycles - 1, 0)
 
     @property
     def tokens_per_second(self) -> float:
-        """Tokens per row and second of the counted cycles."""
+        """Tokens per row and second of the counted tree cycles."""
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
     @property
     def speedup(self) -> float:
-        """The counted cycles' speed over plain decoding's calibrated speed."""
+        """The counted tree cycles' speed over plain decoding's calibrated speed."""
         return self.tokens_per_second * self.plain_step
 
     @property
-    def median_cycle(self) -> float:
-        """The median seconds of a whole cycle over the first `min_cycles` counted cycles (0 before any)."""
-        return statistics.median(self.samples) if self.samples else 0.0
+    def measured_plain_step(self) -> float | None:
+        """Plain decoding's step measured by the trial (the median of its counted cycles; `None` before it ends)."""
+        return statistics.median(self.plain_samples) if len(self.plain_samples) == self.min_cycles else None
+
+    @property
+    def measured_speedup(self) -> float | None:
+        """The counted tree cycles' speed over the trial's plain decoding (`None` before the trial ends)."""
+        step = self.measured_plain_step
+        return None if step is None else self.tokens_per_second * step
+
+    @property
+    def measured_cycle(self) -> float:
+        """The median seconds of a tree cycle over the first `min_cycles` counted ones (0 before any), at the speed
+        the machine had when it was calibrated where a trial measured plain decoding (times the calibrated step over
+        the trial's)."""
+        median = statistics.median(self.samples) if self.samples else 0.0
+        step = self.measured_plain_step
+        return median if step is None else median * self.plain_step / step
 
     @property
     def costs_disproved(self) -> bool:
-        """Whether the first `min_cycles` counted cycles cost other than predicted by more than `cost_margin` (their
-        median; not only a lower τ), once they are counted."""
+        """Whether the first `min_cycles` counted cycles cost other than predicted by more than `cost_margin`
+        (`measured_cycle`; not only a lower τ), once they are counted."""
         return (len(self.samples) >= self.min_cycles
-                and abs(self.median_cycle / self.predicted_cycle - 1) > self.cost_margin)
+                and abs(self.measured_cycle / self.predicted_cycle - 1) > self.cost_margin)

@@ -4,7 +4,8 @@ As transformers' `CandidateGenerator` names `get_candidates` / `update_candidate
 a tree to verify (`propose`) and told what the target verified (`accepted`). `Eagle3Proposer` drafts the tree with
 the EAGLE-3 draft (`Eagle3Drafter`) and merges the context's n-gram continuation into it (`ngram`), learning how
 often continuations of each match length are accepted. `PlainProposer` proposes no candidate: verifying its tree is
-one plain decoding step (where a call found its tree slower than plain decoding, `online`).
+one plain decoding step (where a call found its tree slower than plain decoding, `online`, or tries plain decoding
+for a few cycles, its EAGLE-3 proposer paused).
 """
 
 from dataclasses import dataclass
@@ -78,7 +79,12 @@ class Eagle3Proposer:
 
 
 class PlainProposer:
-    """No candidates: the tree is the root alone, and verifying it is one plain decoding step."""
+    """No candidates: the tree is the root alone, and verifying it is one plain decoding step. `paused`: a proposer
+    kept current meanwhile (told what the target verified, asked for nothing), for a call that decodes plainly for a
+    trial and may go back to it."""
+
+    def __init__(self, paused: Proposer | None = None):
+        self.paused = paused
 
     def propose(self, tokens: torch.Tensor, root_position: int) -> DraftProposal:
         root, empty = tokens[-1:], tokens.new_zeros(0)
@@ -90,4 +96,5 @@ class PlainProposer:
 
     def accepted(self, verified: Verified, proposal: DraftProposal | None = None,
                  path: torch.Tensor | None = None) -> None:
-        pass
+        if self.paused is not None:
+            self.paused.accepted(verified)
