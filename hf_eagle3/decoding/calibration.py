@@ -28,12 +28,13 @@ only warms every shape up, so that a change of load hits every cost alike, and t
 plain `generate`'s own, the median time between its tokens (a clock in its stopping criteria). A measurement whose
 spread (interquartile range over median, `MachineCosts.spread`) exceeds `MAX_SPREAD` is taken again once; still
 noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so.
-Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's and switches to plain
-decoding when the shape loses; cycles that cost other than predicted move the record's `cycle_scale` halfway (in log
-scale) toward what the call measured (`correct_calibration`), so that a wrong record is mended without measuring again
-inside a user's call. The scale multiplies every shape's cycle alike: the shapes keep the order their interleaved
-measurement gave them, and one call that ran at a noisy moment neither pins its shape to its own cost (after which
-nothing would measure that shape again) nor sends the next call to another shape.
+Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's; when the shape seems to
+lose, the call decodes plainly for a few cycles, measuring plain decoding there, and keeps the faster. Cycles that
+cost other than predicted move the record's `cycle_scale` halfway (in log scale) toward what the call measured
+(`correct_calibration`), so that a wrong record is mended without measuring again inside a user's call. The scale
+multiplies every shape's cycle alike: the shapes keep the order their interleaved measurement gave them, and one call
+that ran at a noisy moment neither pins its shape to its own cost (after which nothing would measure that shape
+again) nor sends the next call to another shape.
 
 The cache is an optimisation, never a point of failure: a record that cannot be read or is invalid is reported once,
 naming the file, and measured again; a cache that cannot be written (read-only, full, a file in the way) is reported
@@ -621,12 +622,13 @@ def write_record(path: Path, key: dict, costs: MachineCosts) -> bool:
 
 def correct_calibration(choice: TreeChoice, measured_cycle: float) -> MachineCosts | None:
     """Move the `cycle_scale` of the record `choice` was predicted from halfway (`CORRECTION_WEIGHT`, in log scale)
-    toward what a call decoding with its shape measured per cycle (`measured_cycle` seconds: the median of
-    `online.OnlineCheck`'s first cycles): the next call predicts with it and measures nothing. A record consistently
-    wrong is mended within a few calls (its error halves at each), one call at a noisy moment moves it by half its
-    error at most, and every shape alike. A record that no longer holds the costs `choice` read (measured again
-    meanwhile) is left as it is. Returns the corrected costs (`None`: nothing corrected); written where the record
-    was, or kept in memory for the process where it cannot be."""
+    toward what a call decoding with its shape measured per cycle (`measured_cycle` seconds,
+    `online.OnlineCheck.measured_cycle`: at the calibration's speed where the call measured plain decoding). The
+    next call predicts with it and measures nothing. A record consistently wrong is mended within a few calls (its
+    error halves at each), one call at a noisy moment moves it by half its error at most, and every shape alike. A
+    record that no longer holds the costs `choice` read (measured again meanwhile) is left as it is. Returns the
+    corrected costs (`None`: nothing corrected); written where the record was, or kept in memory for the process
+    where it cannot be."""
     costs, shape, path = choice.costs, choice.settings, choice.path
     if costs is None or shape is None or path is None:
         return None
