@@ -99,7 +99,7 @@ def run_demo(
         choices[name] = choose_tree(target, draft)
 
     def predicted_tokens_per_second(choice: TreeChoice) -> float:
-        return choice.predicted_speedup / choice.costs.plain_step if choice.costs else 0.0
+        return choice.predicted_speedup / choice.plain_step if choice.costs else 0.0
 
     chosen = max(dtypes, key=lambda name: predicted_tokens_per_second(choices[name]))
     eagle_target, draft = models[chosen]

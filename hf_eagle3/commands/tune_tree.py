@@ -72,7 +72,7 @@ def markdown_table(predictions: list[ShapePrediction], costs: MachineCosts, limi
     lines = ["| top-k | depth | tokens | τ (estimated) | cycle ms | predicted speedup |", "|---|---|---|---|---|---|"]
     for prediction in predictions[:limit]:
         shape = prediction.settings
-        speedup = prediction.tokens_per_second * costs.plain_step
+        speedup = prediction.tokens_per_second * costs.plain_step_at(None)
         lines.append(f"| {shape.top_k} | {shape.depth} | {shape.total_tokens} | {prediction.tau:.2f} | "
                      f"{1000 * prediction.cycle_seconds:.1f} | {speedup:.2f}x |")
     return "\n".join(lines) + "\n"
@@ -139,12 +139,12 @@ def _run(args: argparse.Namespace) -> None:
           f"decode step {1000 * costs.plain_step:.1f} ms")
     print(markdown_table(predictions, costs))
     best = predictions[0]
+    speedup = best.tokens_per_second * costs.plain_step_at(None)
     print(f"best: tree_depth={best.settings.depth} tree_top_k={best.settings.top_k} "
-          f"tree_total_tokens={best.settings.total_tokens} (predicted {best.tokens_per_second * costs.plain_step:.2f}x "
-          "on this machine)")
+          f"tree_total_tokens={best.settings.total_tokens} (predicted {speedup:.2f}x on this machine)")
     if args.output:
         rows = [asdict(prediction.settings) | {"tau": prediction.tau, "cycle_ms": 1000 * prediction.cycle_seconds,
-                                               "speedup": prediction.tokens_per_second * costs.plain_step}
+                                               "speedup": prediction.tokens_per_second * costs.plain_step_at(None)}
                 for prediction in predictions]
         Path(args.output).write_text(json.dumps({"machine": costs.machine, "shapes": rows}, indent=1))
     if args.save_to:
@@ -168,7 +168,7 @@ def save_tuned_draft(draft: Eagle3DraftModel, profile: list[dict], predictions: 
     draft.config.ngram_candidates = ngram_candidates
     draft.config.tree_shape = "auto"
     best = predictions[0]
-    speedup, shape = best.tokens_per_second * costs.plain_step, best.settings
+    speedup, shape = best.tokens_per_second * costs.plain_step_at(None), best.settings
     config = draft.config
     if speedup >= MIN_PREDICTED_SPEEDUP:
         config.tree_depth, config.tree_top_k, config.tree_total_tokens = shape.depth, shape.top_k, shape.total_tokens

@@ -28,13 +28,16 @@ only warms every shape up, so that a change of load hits every cost alike, and t
 plain `generate`'s own, the median time between its tokens (a clock in its stopping criteria). A measurement whose
 spread (interquartile range over median, `MachineCosts.spread`) exceeds `MAX_SPREAD` is taken again once; still
 noisy, it is recorded as such (and measured again by the next process) and `auto` decodes plainly, saying so.
-Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's; when the shape seems to
-lose, the call decodes plainly for a few cycles, measuring plain decoding there, and keeps the faster. Cycles that
-cost other than predicted move the record's `cycle_scale` halfway (in log scale) toward what the call measured
-(`correct_calibration`), so that a wrong record is mended without measuring again inside a user's call. The scale
-multiplies every shape's cycle alike: the shapes keep the order their interleaved measurement gave them, and one call
-that ran at a noisy moment neither pins its shape to its own cost (after which nothing would measure that shape
-again) nor sends the next call to another shape.
+Within a call, `online.OnlineCheck` compares the call's real speed with plain decoding's calibrated speed and its
+cycles with their predicted cost; when the shape seems to lose, or its cycles cost other than predicted, the call
+decodes plainly for a few cycles, measuring plain decoding there, and keeps the faster. What such a call measured, the
+tree's cycles and plain decoding's step side by side, moves the record halfway (in log scale) toward it
+(`correct_calibration`), so that a wrong record is mended without measuring again inside a user's call: its
+`speed_scale` (the machine's speed, every cost alike) and its `cycle_scale` (the cycles against plain decoding, every
+shape alike). A machine slower or faster than when it was calibrated moves the first, which changes no predicted
+speedup; only a record whose cycles are wrong against plain decoding moves the second. The shapes keep the order
+their interleaved measurement gave them, and one call that ran at a noisy moment neither pins its shape to its own
+cost (after which nothing would measure that shape again) nor sends the next call to another shape.
 
 The cache is an optimisation, never a point of failure: a record that cannot be read or is invalid is reported once,
 naming the file, and measured again; a cache that cannot be written (read-only, full, a file in the way) is reported
@@ -82,8 +85,8 @@ PLAIN_CONTEXTS = (48, CALIBRATION_PREFIX, 320)  # cached tokens the decode step 
 CALIBRATION_METHOD = 5  # in the key: records of an earlier way of measuring or correcting are measured again
 SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
 MAX_RECORD_BYTES = 1 << 20
-CORRECTION_WEIGHT = 0.5  # how far one call moves the record's cycle scale toward what it measured, in log scale
-SCALE_RANGE = (1e-3, 1e3)  # a cycle scale outside this is no correction
+CORRECTION_WEIGHT = 0.5  # how far one call moves the record's scales toward what it measured, in log scale
+SCALE_RANGE = (1e-3, 1e3)  # a scale outside this is no correction
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # what decides a CPU's float32 / bfloat16 speed
 logger = logging.get_logger(__name__)
 # Costs measured in this process that could not be written to the cache, or stayed noisy, by record path: the
@@ -132,9 +135,11 @@ class MachineCosts:
     row (a tree of `n - 1` nodes and its root); `draft[(depth, top_k)]`: the draft's work in one cycle, every row;
     `other`: the rest of a cycle (acceptance, cache compaction, bookkeeping); `spread`: the interquartile range over
     median, over the measurement's rounds, of the predicted speedup of the shape the medians choose (`MAX_SPREAD`);
-    `cycle_scale`: what calls measured per cycle over what was measured here, a running geometric mean over the calls
-    that disproved the record (`correct_calibration`; 1 until one does): every shape's cycle is predicted at its
-    measured parts times this (`cycle_parts`).
+    `speed_scale`: the machine's speed where calls measured it (seconds now over seconds when it was calibrated), and
+    `cycle_scale`: the cycles' cost against plain decoding's step where calls measured both, over that of the
+    calibration; running geometric means over the calls that measured them (`correct_calibration`; 1 until one
+    does). Plain decoding's step is predicted at its measured value times `speed_scale` (`plain_step_at`), every
+    shape's cycle at its measured parts times both (`cycle_parts`).
     """
 
     machine: str
@@ -144,18 +149,23 @@ class MachineCosts:
     other: float
     spread: float = 0.0
     plain_steps: dict[int, float] = field(default_factory=dict)
+    speed_scale: float = 1.0
     cycle_scale: float = 1.0
 
     def cycle_parts(self, shape: TreeSettings) -> dict[str, float]:
         """The predicted seconds of each part of a cycle of `shape` (`stats.CYCLE_PARTS`): drafting, verifying its
-        tree and the rest, as measured, times `cycle_scale`."""
-        return {"draft": self.cycle_scale * self.draft[shape.depth, shape.top_k],
-                "verify": self.cycle_scale * self.verify[shape.total_tokens + 1],
-                "other": self.cycle_scale * self.other}
+        tree and the rest, as measured, times `speed_scale` and `cycle_scale`."""
+        scale = self.speed_scale * self.cycle_scale
+        return {"draft": scale * self.draft[shape.depth, shape.top_k],
+                "verify": scale * self.verify[shape.total_tokens + 1], "other": scale * self.other}
 
     def plain_step_at(self, context: float | None) -> float:
-        """Plain decoding's step with `context` tokens cached: interpolated between the measured `plain_steps`, the
-        nearest measured beyond them; `plain_step` without a context or with fewer than two measured."""
+        """Plain decoding's predicted step with `context` tokens cached: interpolated between the measured
+        `plain_steps`, the nearest measured beyond them (`plain_step` without a context or with fewer than two
+        measured), times `speed_scale`."""
+        return self.speed_scale * self._measured_step_at(context)
+
+    def _measured_step_at(self, context: float | None) -> float:
         points = sorted(self.plain_steps.items())
         if context is None or len(points) < 2:
             return self.plain_step
@@ -180,12 +190,14 @@ class MachineCosts:
                             "seconds]")
         if not all(isinstance(entry, list) and len(entry) == 3 for entry in draft):
             raise ValueError("draft must list [depth, top_k, seconds]")
-        spread, scale = record.get("spread", 0.0), record.get("cycle_scale", 1.0)
+        spread = record.get("spread", 0.0)
         if isinstance(spread, bool) or not isinstance(spread, int | float) or not 0 <= spread < math.inf:
             raise ValueError(f"spread must be a finite number >= 0, got {spread!r}")
+        scales = {name: record.get(name, 1.0) for name in ("speed_scale", "cycle_scale")}
         low, high = SCALE_RANGE
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not low <= scale <= high:
-            raise ValueError(f"cycle_scale must be a number in [{low:g}, {high:g}], got {scale!r}")
+        for name, scale in scales.items():
+            if isinstance(scale, bool) or not isinstance(scale, int | float) or not low <= scale <= high:
+                raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {scale!r}")
         return cls(
             machine=record["machine"],
             plain_step=_seconds(record.get("plain_step"), "plain_step"),
@@ -197,7 +209,8 @@ class MachineCosts:
             spread=float(spread),
             plain_steps={_count(int(n) if n.isdigit() else n, "a cached token count", 1 << 20):
                          _seconds(seconds, f"plain_steps[{n}]") for n, seconds in plain_steps.items()},
-            cycle_scale=float(scale),
+            speed_scale=float(scales["speed_scale"]),
+            cycle_scale=float(scales["cycle_scale"]),
         )
 
 
@@ -620,21 +633,27 @@ def write_record(path: Path, key: dict, costs: MachineCosts) -> bool:
         return False
 
 
-def correct_calibration(choice: TreeChoice, measured_cycle: float) -> MachineCosts | None:
-    """Move the `cycle_scale` of the record `choice` was predicted from halfway (`CORRECTION_WEIGHT`, in log scale)
-    toward what a call decoding with its shape measured per cycle (`measured_cycle` seconds,
-    `online.OnlineCheck.measured_cycle`: at the calibration's speed where the call measured plain decoding). The
-    next call predicts with it and measures nothing. A record consistently wrong is mended within a few calls (its
-    error halves at each), one call at a noisy moment moves it by half its error at most, and every shape alike. A
-    record that no longer holds the costs `choice` read (measured again meanwhile) is left as it is. Returns the
-    corrected costs (`None`: nothing corrected); written where the record was, or kept in memory for the process
-    where it cannot be."""
+def correct_calibration(choice: TreeChoice, measured_cycle: float, measured_plain_step: float) -> MachineCosts | None:
+    """Move the record `choice` was predicted from halfway (`CORRECTION_WEIGHT`, in log scale) toward what a call
+    decoding with its shape measured: `measured_cycle` seconds per cycle, and plain decoding's step in the same call
+    (`measured_plain_step`; `online.OnlineCheck`'s trial). Its `speed_scale` moves toward the measured step over the
+    predicted one, its `cycle_scale` toward the measured cycles against the measured step over the predicted ones
+    against the predicted step. The next call predicts with it and measures nothing. A record consistently wrong is
+    mended within a few calls (its error halves at each), one call at a noisy moment moves it by half its error at
+    most, and every shape alike. A record that no longer holds the costs `choice` read (measured again meanwhile) is
+    left as it is. Returns the corrected costs (`None`: nothing corrected); written where the record was, or kept in
+    memory for the process where it cannot be."""
     costs, shape, path = choice.costs, choice.settings, choice.path
     if costs is None or shape is None or path is None:
         return None
-    predicted = sum(costs.cycle_parts(shape).values())
-    scale = costs.cycle_scale * (max(measured_cycle, SECONDS_RANGE[0]) / predicted) ** CORRECTION_WEIGHT
-    corrected = replace(costs, cycle_scale=min(max(scale, SCALE_RANGE[0]), SCALE_RANGE[1]))
+    predicted_cycle, predicted_step = sum(costs.cycle_parts(shape).values()), choice.plain_step
+    cycle, step = max(measured_cycle, SECONDS_RANGE[0]), max(measured_plain_step, SECONDS_RANGE[0])
+
+    def moved(scale: float, ratio: float) -> float:
+        return min(max(scale * ratio ** CORRECTION_WEIGHT, SCALE_RANGE[0]), SCALE_RANGE[1])
+
+    corrected = replace(costs, speed_scale=moved(costs.speed_scale, step / predicted_step),
+                        cycle_scale=moved(costs.cycle_scale, (cycle / step) / (predicted_cycle / predicted_step)))
     if path in _KEPT_IN_MEMORY:
         if _KEPT_IN_MEMORY[path] != costs:
             return None
@@ -726,8 +745,9 @@ def choose_tree(
         f", a static cache of {static_length}" if static_length is not None else "")
     context = f" after {context_length:.0f} cached tokens" if context_length is not None and costs.plain_steps else ""
     parts = costs.cycle_parts(best.settings)
-    scaled = (f" (the measured costs times {costs.cycle_scale:.2f}, as calls found them)" if costs.cycle_scale != 1
-              else "")
+    scaled = (f" (as calls found them: the machine at {costs.speed_scale:.2f}x the measured costs, the cycles at "
+              f"{costs.cycle_scale:.2f}x theirs against plain decoding)"
+              if (costs.speed_scale, costs.cycle_scale) != (1, 1) else "")
     measured = (f"on {costs.machine}, {target.dtype}, {torch.get_num_threads()} threads{batch}{compiled}: a decode "
                 f"step takes {1000 * plain_step:.1f} ms{context}, verifying {best.settings.total_tokens + 1} tokens "
                 f"{1000 * parts['verify']:.1f} ms, drafting {1000 * parts['draft']:.1f} ms{scaled}")

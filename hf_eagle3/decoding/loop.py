@@ -241,39 +241,38 @@ def online_check(settings: DecodingSettings) -> OnlineCheck | None:
 
 def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds: dict[str, float],
                  acceptances: list[Acceptance]) -> OnlineCheck | None:
-    """Count the cycle (its parts' seconds). Once the call's speed falls short of plain decoding's calibrated speed,
-    every row decodes plainly for a trial (its proposer paused, kept current); after it, every row goes on with the
-    faster of the two. Once the cycles counted (and the trial, if any) show the cached costs wrong, correct them
-    toward the call's own (once). Returns the check while it goes on, `None` once it has decided for the call."""
+    """Count the cycle (its parts' seconds). Once the cycles cost other than predicted, or the call's speed falls short
+    of plain decoding's calibrated speed, every row decodes plainly for a trial (its proposer paused, kept current);
+    after it, the record is corrected toward what the call measured, and every row goes on with the faster of the
+    two. Returns the check while it goes on, `None` once it has decided for the call."""
     tokens = sum(accepted.path.numel() for accepted in acceptances) / len(acceptances)
     before = online.decision
     decision = online.observe(part_seconds, tokens)
-    choice = run.settings.choice
-    if not online.costs_checked and len(online.samples) == online.min_cycles and decision is not Decision.TRIAL:
-        online.costs_checked = True
-        corrected = correct_calibration(choice, online.measured_cycle) if online.costs_disproved else None
-        if corrected is not None:
-            run.stats.shape_choice += (
-                f"; its cycles cost {1000 * online.measured_cycle:.1f} ms here (at the calibration's speed), not "
-                f"{1000 * online.predicted_cycle:.1f} ms: the cached costs were corrected halfway toward this call's "
-                f"(cycle scale {choice.costs.cycle_scale:.2f} -> {corrected.cycle_scale:.2f})")
     if decision is Decision.TRIAL and before is Decision.KEEP:
-        run.stats.shape_choice += (f"; measured in this call at {online.speedup:.2f}x plain decoding's calibrated "
-                                   f"speed after {online.cycles} cycles, so it decoded plainly for "
+        why = (f"its cycles cost {1000 * online.measured_cycle:.1f} ms here, not {1000 * online.predicted_cycle:.1f}"
+               if online.costs_disproved else f"it ran at {online.speedup:.2f}x plain decoding's calibrated speed")
+        run.stats.shape_choice += (f"; {why} after {online.cycles} cycles, so it decoded plainly for "
                                    f"{online.min_cycles + 1} cycles to measure plain decoding here")
         for row in state.rows:
             row.proposer = PlainProposer(paused=row.proposer)
         return online
     if not online.settled:
         return online
-    measured = (f"; plain decoding took {1000 * online.measured_plain_step:.1f} ms a token here, the tree's tokens "
-                f"{online.measured_speedup:.2f}x as fast")
+    choice = run.settings.choice
+    corrected = correct_calibration(choice, online.measured_cycle, online.measured_plain_step)
+    run.stats.shape_choice += (f"; plain decoding took {1000 * online.measured_plain_step:.1f} ms a token here, the "
+                               f"tree's tokens {online.measured_speedup:.2f}x as fast")
+    if corrected is not None:
+        old, new = choice.costs, corrected
+        run.stats.shape_choice += (
+            f" (the cached costs corrected halfway toward this call's: the machine's speed {old.speed_scale:.2f} -> "
+            f"{new.speed_scale:.2f}, the cycles against plain decoding {old.cycle_scale:.2f} -> {new.cycle_scale:.2f})")
     if decision is Decision.KEEP:
-        run.stats.shape_choice += f"{measured}, so it went back to the tree"
+        run.stats.shape_choice += ", so it went back to the tree"
         for row in state.rows:
             row.proposer = row.proposer.paused
         return None
-    run.stats.shape_choice += f"{measured}, so it went on plainly"
+    run.stats.shape_choice += ", so it went on plainly"
     logger.warning_once(f"{run.settings.shape_choice}; slower than plain decoding in a call, which went on plainly "
                         "(its statistics' shape_choice says by how much)")
     for row in state.rows:

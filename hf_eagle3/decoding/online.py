@@ -2,23 +2,18 @@
 chose knows, cycle after cycle, what each part of the cycle cost (`stats.CYCLE_PARTS`) and how many tokens it
 emitted.
 
-When the call's speed so far falls short of plain decoding's calibrated speed by `margin`, after `min_cycles` cycles
-(the first, which may pay for kernel selection, not counted), the call decodes plainly for a trial of `min_cycles`
-more cycles, which measures plain decoding here and now (the first not counted either). The calibrated step alone
-cannot decide: on a shared machine the speed drifts by tens of percent between the calibration and a call, and a
-call's tree that lost only to a step measured at a quieter moment would be dropped while it still beats plain
-decoding. After the trial the call keeps the faster of the two, measured minutes apart at most: plainly for the
-rest, or back to the tree (its draft kept current meanwhile). A call tries plain decoding once: at most
-`min_cycles + 1` cycles are spent at the losing speed (the tree's before the trial, or the trial's), whatever the
-length of the call.
-
-When the cycles cost other than predicted (by more than `cost_margin`), the cached costs were wrong
-(`costs_disproved`), and the record is corrected toward what the call measured (`measured_cycle`;
-`calibration.correct_calibration`): the next call predicts with it, without measuring anything again. After a trial
-the measured cycle is compared at the calibration's speed (times the calibrated plain step over the measured one), so
-that a machine slower than when it was calibrated does not count as wrong costs. Both read medians of `min_cycles`
-counted cycles, so that one cycle that paid for something else (a compilation, a burst of load) neither disproves a
-record nor goes into it.
+After `min_cycles` cycles (the first, which may pay for kernel selection, not counted), a call whose cycles cost other
+than predicted by more than `cost_margin` (their median, so that one cycle that paid for something else, a
+compilation or a burst of load, does not count: `costs_disproved`), or whose speed falls short of plain decoding's
+calibrated speed by `margin` (then or later), decodes plainly for a trial of `min_cycles` more cycles, which measures
+plain decoding here and now (the first not counted either). The calibrated step alone cannot decide: on a shared
+machine the speed drifts by tens of percent between the calibration and a call, so a tree that lost only to a step
+measured at a quieter moment would be dropped while it still beats plain decoding, and cycles dearer than predicted
+may only be a machine slower than when it was calibrated. After the trial the call keeps the faster of the two,
+measured seconds apart: plainly for the rest, or back to the tree (its draft kept current meanwhile); and what it
+measured, side by side, corrects the record (`calibration.correct_calibration`), so that the next call predicts with
+it, without measuring anything again. A call tries plain decoding once: at most `min_cycles + 1` cycles are spent at
+the losing speed (the tree's before the trial, or the trial's), whatever the length of the call.
 """
 
 import enum
@@ -52,7 +47,6 @@ class OnlineCheck:
     samples: list[float] = field(default_factory=list)  # the first `min_cycles` counted tree cycles' seconds
     trial_cycles: int = 0  # plain cycles of the trial, the first included
     plain_samples: list[float] = field(default_factory=list)  # the trial's counted plain steps' seconds
-    costs_checked: bool = False  # whether the call has compared its cycles with the record (once)
 
     def observe(self, part_seconds: dict[str, float], tokens: float) -> Decision:
         """Count one cycle whose parts took `part_seconds` (by `CYCLE_PARTS`) and that emitted `tokens` per row; the
@@ -74,7 +68,8 @@ class OnlineCheck:
         if len(self.samples) < self.min_cycles:
             self.samples.append(seconds)
         self.tokens += tokens
-        if self.cycles > self.min_cycles and self.tokens_per_second < (1 - self.margin) / self.plain_step:
+        losing = self.tokens_per_second < (1 - self.margin) / self.plain_step
+        if self.cycles > self.min_cycles and (losing or self.costs_disproved):
             self.decision = Decision.TRIAL
         return self.decision
 
@@ -106,12 +101,8 @@ class OnlineCheck:
 
     @property
     def measured_cycle(self) -> float:
-        """The median seconds of a tree cycle over the first `min_cycles` counted ones (0 before any), at the speed
-        the machine had when it was calibrated where a trial measured plain decoding (times the calibrated step over
-        the trial's)."""
-        median = statistics.median(self.samples) if self.samples else 0.0
-        step = self.measured_plain_step
-        return median if step is None else median * self.plain_step / step
+        """The median seconds of a tree cycle over the first `min_cycles` counted ones (0 before any)."""
+        return statistics.median(self.samples) if self.samples else 0.0
 
     @property
     def costs_disproved(self) -> bool:
