@@ -16,7 +16,7 @@ from hf_eagle3.decoding.drafter import TreeSettings
 from hf_eagle3.decoding.tree import build_tree, expand, select_frontier
 from hf_eagle3.decoding.verify import greedy_accept
 from hf_eagle3.resources.loading import stored_dtype
-from hf_eagle3.training.profile import acceptance_profile, accepted_in_smaller_trees, smaller_tree_tau
+from hf_eagle3.training.profile import acceptance_profile, accepted_in_smaller_trees
 
 
 def _random_candidates(top_k: int, max_depth: int, vocab: int):
@@ -76,14 +76,6 @@ def test_costs_are_measured_for_every_size(llama_target, fitted_draft):
     shapes = [TreeSettings(1, 3, 3), TreeSettings(4, 3, 8), TreeSettings(4, 1, 4)]
     draft_costs = drafting_cost(fitted_draft, shapes, prefix_length=16, repetitions=2)
     assert list(draft_costs) == shapes and all(seconds > 0 for seconds in draft_costs.values())
-
-
-def test_a_smaller_tree_counts_the_cycles_it_would_start_over_each_stretch_of_the_largest_trees_run():
-    emitted = torch.tensor([8, 1, 3])  # the largest tree's cycles: 12 tokens
-    accepted = torch.tensor([[7, 3, 0], [0, 0, 0], [2, 2, 1]])  # [cycles, trees]: the largest itself, two smaller
-    # the largest tree's own τ; a tree accepting 3 a cycle over the first stretch starts 2 cycles there, not 1
-    assert smaller_tree_tau(emitted, accepted).tolist() == pytest.approx([12 / 3, 12 / (2 + 1 + 1), 12 / (8 + 1 + 1.5)])
-    assert smaller_tree_tau(emitted[:0], accepted[:0]).tolist() == [1.0, 1.0, 1.0]  # nothing decoded
 
 
 def test_acceptance_profile_matches_the_largest_run(llama_target, fitted_draft):
