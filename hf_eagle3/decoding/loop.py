@@ -249,7 +249,7 @@ def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds:
     before = online.decision
     decision = online.observe(part_seconds, tokens)
     if decision is Decision.TRIAL and before is Decision.KEEP:
-        why = (f"its cycles cost {1000 * online.measured_cycle:.1f} ms here, not {1000 * online.predicted_cycle:.1f}"
+        why = (f"its cycles cost {1000 * online.measured_cycle:.1f} ms here, not {1000 * online.predicted_cycle:.1f} ms"
                if online.costs_disproved else f"it ran at {online.speedup:.2f}x plain decoding's calibrated speed")
         run.stats.shape_choice += (f"; {why} after {online.cycles} cycles, so it decoded plainly for "
                                    f"{online.min_cycles + 1} cycles to measure plain decoding here")
