@@ -6,7 +6,7 @@ Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Au
 `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)` runs the same loop through transformers'
 `custom_generate` extension point. It also registers transformers' "sdpa" attention function as one that a
 verification forward can ask, by a keyword argument, to attend node by node (`exact_attention=True`).
-`hf_eagle3.optimize(model)` lays a model's linear weights out for fast multi-token forwards on CPU, explicitly
+`hf_eagle3.optimize(model)` lays a model's linear layers out for fast multi-token forwards on CPU, explicitly
 (`decoding.cpu_layout`).
 """
 

@@ -18,6 +18,7 @@ from hf_eagle3.commands.bench import (
     summarise,
     verification_cost_report,
 )
+from hf_eagle3.decoding.cpu_layout import weight_layout
 
 
 def test_methods_from_names():
@@ -244,13 +245,14 @@ def test_plot_shares_the_speedup_scale_and_marks_the_cycles_only_an_ngram_branch
     assert "only a context n-gram branch" in figure.texts[-1].get_text()
 
 
-def test_verification_cost_with_the_cpu_layout_tables_both_layouts(llama_target, tmp_path):
+def test_verification_cost_with_the_cpu_layout_tables_every_layout(llama_target, tmp_path):
     target = copy.deepcopy(llama_target)
     table = verification_cost_report(target, [1, 4], [2, 4, 6], tmp_path, compare_layouts=True)
     record = json.loads((tmp_path / "verification-cost.json").read_text())
-    assert set(record["seconds"]) == {"standard", "column-major"}
-    assert "| tokens verified | standard ms | x 1 token | column-major ms | x 1 token |" in table
-    assert all(weight.is_contiguous() for weight in target.parameters())  # left as loaded
+    layouts = ["standard", "column-major"] + (["onednn"] if torch.backends.mkldnn.is_available() else [])
+    assert list(record["seconds"]) == layouts
+    assert ("| tokens verified |" + "".join(f" {layout} ms | x 1 token |" for layout in layouts)) in table
+    assert weight_layout(target) == "standard"  # left as loaded
 
 
 def test_a_compiled_auto_method_s_prediction_is_checked_against_compiled_plain_decoding():

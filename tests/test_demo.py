@@ -39,8 +39,8 @@ def test_the_calibration_prompts_are_spread_over_both_sets_and_none_the_demo_or_
     benchmark = mt_bench_first_turns()[:8] + humaneval_prompts()[:8]
     assert not set(calibration) & (set(benchmark) | {text for _, text in demo_prompts()})
     args = build_parser().parse_args(["demo"])
-    assert (args.prompts_per_set, args.max_new_tokens, args.repetitions, args.cpu_layout) == (8, 64, 2, False)
-    assert build_parser().parse_args(["demo", "--cpu-layout"]).cpu_layout
+    assert (args.prompts_per_set, args.max_new_tokens, args.repetitions, args.cpu_layout) == (8, 64, 2, True)
+    assert not build_parser().parse_args(["demo", "--no-cpu-layout"]).cpu_layout
 
 
 def test_an_output_that_parts_from_plain_says_where_how_many_tokens_differ_and_the_gap(llama_target):

@@ -25,8 +25,9 @@ predicted speedup (from the acceptance profile's τ for the set, where the profi
 prompts) and the speedup the cost model gives at the τ measured on the set, which separates an error of the machine
 costs from a set whose τ differs from the profile's.
 
-`--cpu-layout` runs every method with the models' linear weights column-major (`hf_eagle3.optimize`); with
-`--verification-cost` it measures the forwards in both layouts instead, interleaved, and tables them side by side.
+`--cpu-layout` runs every method with the models' linear layers laid out by `hf_eagle3.optimize` (the layout
+measured fastest here); with `--verification-cost` it measures the forwards in every layout instead, interleaved, and
+tables them side by side.
 """
 
 import argparse
@@ -42,7 +43,7 @@ import torch
 from transformers import CompileConfig
 
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description, verification_cost
-from ..decoding.cpu_layout import optimize, standard_layout, weight_layout
+from ..decoding.cpu_layout import LAYOUTS, onednn_packs, optimize, standard_layout, weight_layout
 from ..decoding.stats import CYCLE_PARTS
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
@@ -513,16 +514,19 @@ def _method_label(name: str, shapes: list[str]) -> str:
     return f"{name} ({shape})" if shape and shape not in name else name
 
 
-LAYOUT_ROUNDS = 3  # alternations of the two weight layouts when comparing them
+LAYOUT_ROUNDS = 3  # alternations of the weight layouts when comparing them
 
 
 def verification_cost_report(target, token_counts: list[int], layer_ids: list[int], output_dir: Path,
                              compare_layouts: bool = False) -> str:
     """Measure one target forward over each of `token_counts` new tokens (`calibration.verification_cost`) in the
-    target's weight layout, or with `compare_layouts` in the standard and the column-major one (`optimize`),
-    alternated `LAYOUT_ROUNDS` times (medians; the target is left in the standard layout), write
-    `verification-cost.json` and `verification-cost.md` to `output_dir`, and return the markdown table."""
-    layouts = {"standard": standard_layout, "column-major": optimize} if compare_layouts else {
+    target's weight layout, or with `compare_layouts` in the standard one and each of `cpu_layout.LAYOUTS` that
+    serves its dtype (`optimize`), alternated `LAYOUT_ROUNDS` times (medians; the target is left in the standard
+    layout), write `verification-cost.json` and `verification-cost.md` to `output_dir`, and return the
+    markdown table."""
+    layouts = {"standard": standard_layout} | {
+        layout: lambda model, layout=layout: optimize(model, layout) for layout in LAYOUTS
+        if layout != "onednn" or onednn_packs(target.dtype)} if compare_layouts else {
         weight_layout(target): lambda model: model}
     samples = {layout: {n: [] for n in token_counts} for layout in layouts}
     for _ in range(LAYOUT_ROUNDS if compare_layouts else 1):
@@ -617,7 +621,7 @@ def register_cli(subparsers) -> None:
                         help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64), write "
                              "verification-cost.json / .md to --output, and exit")
     parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=False,
-                        help="run every method with the linear weights column-major (`hf_eagle3.optimize`); with "
-                             "--verification-cost, measure with and without it, side by side")
+                        help="run every method with the linear layers laid out as `hf_eagle3.optimize` measures "
+                             "fastest here; with --verification-cost, measure every layout, side by side")
     parser.add_argument("--output", default="bench-results", help="directory for the results")
     parser.set_defaults(run=_run)

@@ -12,8 +12,9 @@ The prompts come from the sets the README reports on, `DEMO_PROMPTS_PER_SET` of 
 sets (`prompts.calibration_prompts`). The speedup line is the median over them. Greedy outputs are compared with plain
 decoding in the same dtype (`bench.first_divergence`): in reduced precision a prompt whose output parts from plain
 decoding is reported with where, how many tokens differ from there, and at what logit gap (a near-tie when the two
-computations disagree by at most `bench.NEAR_TIE_LOGITS`). `--cpu-layout` lays the linear weights out column-major
-first (`hf_eagle3.optimize`), for plain decoding and EAGLE-3 alike. Last it shows where the time went: each part
+computations disagree by at most `bench.NEAR_TIE_LOGITS`). First the linear layers of both models are laid out as
+`hf_eagle3.optimize` measures fastest on this machine, for plain decoding and EAGLE-3 alike, so that both are as fast
+as this machine makes them (`--no-cpu-layout`: as loaded). Last it shows where the time went: each part
 of a cycle (drafting, verification, the rest) and plain decoding's step per token, measured, beside what the
 calibration had for them, so that a prediction that missed names the cost it got wrong.
 
@@ -30,7 +31,7 @@ import time
 import torch
 
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description
-from ..decoding.cpu_layout import optimize
+from ..decoding.cpu_layout import optimize, weight_layout
 from ..decoding.stats import CYCLE_PARTS
 from ..resources.loading import DTYPES, load_draft, load_target
 from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns, spread
@@ -80,7 +81,7 @@ def _calibrated_cycle_ms(costs, shape) -> dict | None:
 
 def run_demo(
     prompts: list[tuple[str, str]], max_new_tokens: int, dtypes: list[str], repetitions: int, threads: int | None,
-    exact_attention: bool = False, cpu_layout: bool = False,
+    exact_attention: bool = False, cpu_layout: bool = True,
 ) -> dict:
     """Calibrate each dtype of `dtypes`, decode with EAGLE-3 in the one predicted fastest, and time it against plain
     decoding in every dtype of `dtypes` on each `(set, prompt)` (interleaved, after a warm-up of every method on the
@@ -88,7 +89,7 @@ def run_demo(
     plain decoding measured)."""
     if threads:
         torch.set_num_threads(threads)
-    models, choices = {}, {}
+    models, choices, layouts = {}, {}, {}
     for name in dtypes:
         target, tokenizer = load_target("smollm2", DTYPES[name])
         draft = load_draft("shipped", DTYPES[name])
@@ -96,6 +97,7 @@ def run_demo(
             optimize(target)
             optimize(draft)
         models[name] = (target, draft)
+        layouts[name] = weight_layout(target)
         choices[name] = choose_tree(target, draft)
 
     def predicted_tokens_per_second(choice: TreeChoice) -> float:
@@ -174,6 +176,7 @@ def run_demo(
         "machine": machine_description(),
         "threads": torch.get_num_threads(),
         "choices": choices,
+        "layouts": layouts,
         "chosen_dtype": chosen,
         "fastest_plain_dtype": fastest_plain,
         "runs": runs,
@@ -224,8 +227,9 @@ def _run(args: argparse.Namespace) -> None:
     result = run_demo(prompts, args.max_new_tokens, dtypes, args.repetitions, args.threads, args.exact_attention,
                       args.cpu_layout)
     chosen, fastest = result["chosen_dtype"], result["fastest_plain_dtype"]
-    print(f"machine: {result['machine']}, {result['threads']} torch threads"
-          + (", linear weights column-major (--cpu-layout)" if args.cpu_layout else ""))
+    layouts = ", ".join(f"{name} {layout}" for name, layout in result["layouts"].items())
+    print(f"machine: {result['machine']}, {result['threads']} torch threads; linear layers laid out: {layouts}"
+          + (" (measured fastest here; --no-cpu-layout: as loaded)" if args.cpu_layout else ""))
     print("calibration (measured here, cached; τ from the draft's acceptance profile):")
     for name, choice in result["choices"].items():
         print(_describe_choice(name, choice))
@@ -289,7 +293,7 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--exact-attention", action="store_true",
                         help="verify with exact_attention=True (bf16 output identical to plain decoding, slower)")
-    parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=False,
-                        help="lay the linear weights out column-major first (`hf_eagle3.optimize`), for plain decoding "
-                             "and EAGLE-3 alike")
+    parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=True,
+                        help="lay the linear layers out as `hf_eagle3.optimize` measures fastest here first, for plain "
+                             "decoding and EAGLE-3 alike (--no-cpu-layout: as loaded)")
     parser.set_defaults(run=_run)

@@ -738,7 +738,8 @@ def choose_tree(
     best = predictions[0]
     plain_step = costs.plain_step_at(context_length)
     speedup = best.tokens_per_second * plain_step
-    shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {best.settings.total_tokens} tokens"
+    tokens = best.settings.total_tokens
+    shape = (f"depth {best.settings.depth}, top-k {best.settings.top_k}, {tokens} token{'s' * (tokens > 1)}"
              + (", context n-gram candidates" if ngram_candidates else ""))
     batch = f", batch size {batch_size}" if batch_size > 1 else ""
     compiled = (", compiled" if compile_config is not None else "") + (

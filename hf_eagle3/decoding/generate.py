@@ -163,11 +163,25 @@ def eagle3_generate(
                   streamer, record_greedy_cycles, model_kwargs)
 
 
+_WARNED_PLAIN: set = set()
+
+
+def _warn_plain_once(settings: DecodingSettings) -> None:
+    """Say why EAGLE-3 decodes plainly once per calibration record (its reason names each call's context, so
+    transformers' `warning_once`, keyed by the message, would repeat it every call); every call's own reason is in
+    its statistics (`shape_choice`)."""
+    choice = settings.choice
+    key = choice.path if choice is not None and choice.path is not None else settings.shape_choice
+    if key not in _WARNED_PLAIN:
+        _WARNED_PLAIN.add(key)
+        logger.warning(settings.shape_choice)
+
+
 def _decode_plainly(model, draft: Eagle3DraftModel, settings: DecodingSettings, input_ids, logits_processor,
                     stopping_criteria, generation_config, streamer, model_kwargs: dict):
     """The loop `generate` itself runs for greedy decoding and sampling, where `tree_shape="auto"` found that no tree
     pays (`settings.shape_choice` says why), with the call's statistics."""
-    logger.warning_once(settings.shape_choice)
+    _warn_plain_once(settings)
     stats = Eagle3GenerationStats(None, shape_choice=settings.shape_choice, choice=settings.choice)
     draft.generation_stats = stats
     output = model._sample(input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
