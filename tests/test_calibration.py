@@ -135,18 +135,22 @@ def test_calibration_is_not_reused_for_another_path_dtype_thread_count_batch_lay
     assert len(set(paths)) == len(paths) and path() == paths[0]
 
 
-def test_auto_decodes_plainly_and_says_so_when_every_shape_loses(cache, llama_target, auto_draft, caplog):
-    calibrate(llama_target, auto_draft, measure=Measure(plain_step=0.01, verify=0.5))
+def test_auto_decodes_plainly_and_says_so_once_when_every_shape_loses(cache, llama_target, auto_draft, caplog):
+    steps = {48: 0.010, 160: 0.011, 320: 0.012}  # each call's reason names the step at its own context
+    calibrate(llama_target, auto_draft, measure=Measure(plain_step=0.011, verify=0.5, plain_steps=steps))
     choice = choose_tree(llama_target, auto_draft)
     assert choice.settings is None and "decodes plainly" in choice.reason
 
-    expected = llama_target.generate(PROMPT, max_new_tokens=24, do_sample=False)
-    for _ in range(2):
-        output = llama_target.generate(PROMPT, max_new_tokens=24, do_sample=False, assistant_model=auto_draft)
+    reasons = []
+    for prompt in (PROMPT, PROMPT, torch.cat([PROMPT] * 6, dim=1)):
+        expected = llama_target.generate(prompt, max_new_tokens=24, do_sample=False)
+        output = llama_target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=auto_draft)
         assert torch.equal(output, expected)
-    stats = auto_draft.generation_stats
-    assert stats.settings is None and stats.num_cycles == 0 and stats.shape_choice == choice.reason
-    assert _messages(caplog) == [choice.reason]  # said once, with the measured reason
+        stats = auto_draft.generation_stats
+        assert stats.settings is None and stats.num_cycles == 0 and "decodes plainly" in stats.shape_choice
+        reasons.append(stats.shape_choice)
+    assert len(set(reasons)) == 2  # the longer prompt's context: another reason, in its statistics
+    assert _messages(caplog) == [reasons[0]]  # said once per calibration record, with the first call's reason
 
 
 def test_auto_decodes_with_the_predicted_fastest_shape(cache, llama_target, auto_draft):
