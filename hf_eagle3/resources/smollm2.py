@@ -6,6 +6,8 @@ loads read that cache in about a second. Nothing touches the network.
 """
 
 import importlib.util
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -44,10 +46,21 @@ def _build_cache(target_dir: Path) -> None:
     model = LlamaForCausalLM(config)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
-    partial = target_dir.with_name(target_dir.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target_dir)  # atomic: a crash mid-way never leaves a half-written cache behind
+    # Written to a directory of this process's own, then renamed: a crash mid-way never leaves a half-written cache
+    # behind, and processes building it at once (a demo beside the tests) do not write into each other's files.
+    partial = Path(tempfile.mkdtemp(prefix=f"{target_dir.name}.partial-", dir=target_dir.parent))
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(target_dir)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        if (target_dir / "config.json").exists():  # another process finished first: its cache is the same
+            return
+        raise OSError(
+            f"Could not write the embedded SmolLM2 target's cache to {target_dir} ({error}). It needs about 0.6 GB "
+            "free: free some space there or point HF_EAGLE3_CACHE at a writable directory with room, then run again."
+        ) from error
 
 
 def smollm2_path() -> Path:
