@@ -123,3 +123,10 @@ def test_auto_picks_a_measured_layout_and_fastest_layout_leaves_the_model_as_it_
     assert weight_layout(optimize(target)) in ("standard", *LAYOUTS)
     with pytest.raises(ValueError, match="Unknown layout 'packed': pick 'auto'"):
         optimize(target, "packed")
+
+
+def test_the_onednn_layout_refuses_weights_it_cannot_pack_and_names_the_fix(llama_target):
+    target = copy.deepcopy(llama_target).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"packs float32 weights only.*torch.bfloat16. Use layout='auto'"):
+        optimize(target, "onednn")
+    assert weight_layout(target) == "standard"

@@ -178,6 +178,12 @@ def optimize(model: nn.Module, layout: str = "auto") -> nn.Module:
         raise ValueError(f"Unknown layout {layout!r}: pick 'auto' (measured here) or one of {', '.join(LAYOUTS)}.")
     if layout == "auto":
         layout = fastest_layout(model)
+    unpackable = sorted({str(module.weight.dtype) for module in _linears(model, shared=True)
+                         if not onednn_packs(module.weight.dtype)})
+    if layout == "onednn" and unpackable:
+        raise ValueError(f"The 'onednn' layout packs float32 weights only (with a PyTorch built with oneDNN); this "
+                         f"model's linear layers hold {', '.join(unpackable)}. Use layout='auto' (measured here) or "
+                         "'column-major', or cast the model to float32 first.")
     if weight_layout(model) != layout:
         _apply(model, layout)
     return model
