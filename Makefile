@@ -22,8 +22,10 @@ demo: $(BIN)/hf-eagle3
 lint: $(BIN)/hf-eagle3
 	$(BIN)/ruff check hf_eagle3 conversion model_cards tests
 
+# one pytest worker a core (at most 4: each may load SmolLM2), a test file to a worker (its fixtures built once); the
+# tests run single-threaded (tests/conftest.py), so the workers do not oversubscribe the cores
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
 
 # hf-eagle3 against the published speculators and SpecForge (docs/interop.md); builds .interop-venv from the registry
 interop: $(BIN)/hf-eagle3

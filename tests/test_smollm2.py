@@ -1,7 +1,8 @@
 """Integration on the real embedded target, SmolLM2-135M-Instruct (float32, offline).
 
 `HF_EAGLE3_FULL_CHECK=1` runs the full losslessness check of the issue (60 prompts: 30 MT-bench first turns and 30
-HumanEval prompts, 128 new tokens, tree and chain); the default CI run takes 6 prompts and 48 new tokens.
+HumanEval prompts, 128 new tokens, tree and chain); the default CI run takes 6 prompts and 48 new tokens (the random
+draft, which rejects at every cycle, the first prompt of each set).
 """
 
 import os
@@ -67,6 +68,8 @@ def test_greedy_eagle3_equals_plain_generate_on_mt_bench_and_humaneval(smollm2):
         input_ids = chat_input_ids(tokenizer, prompt)
         expected = target.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         for name, draft in drafts.items():
+            if name == "random" and index % PROMPTS_PER_SET and not FULL:  # it rejects at every cycle: a prompt a set
+                continue
             for shape, kwargs in {"tree": {"tree_shape": "fixed"}, "chain": {"tree_top_k": 1}}.items():
                 output = target.generate(
                     input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft, **kwargs
