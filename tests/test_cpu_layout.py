@@ -11,7 +11,7 @@ from helpers import _TINY, tiny_draft
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_eagle3 import optimize, standard_layout
-from hf_eagle3.decoding.cpu_layout import LAYOUTS, PackedLinear, fastest_layout, weight_layout
+from hf_eagle3.decoding.cpu_layout import LAYOUTS, PackedLinear, fastest_layout, onednn_packs, weight_layout
 
 PROMPTS = [torch.randint(1, 90, (1, 9), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
 requires_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -126,7 +126,18 @@ def test_auto_picks_a_measured_layout_and_fastest_layout_leaves_the_model_as_it_
 
 
 def test_the_onednn_layout_refuses_weights_it_cannot_pack_and_names_the_fix(llama_target):
-    target = copy.deepcopy(llama_target).to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"packs float32 weights only.*torch.bfloat16. Use layout='auto'"):
+    target = copy.deepcopy(llama_target).to(torch.float64)  # oneDNN packs no float64 anywhere
+    with pytest.raises(ValueError, match=r"packs float32 weights.*torch.float64 here. Use layout='auto'"):
         optimize(target, "onednn")
     assert weight_layout(target) == "standard"
+
+
+@pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN packs bfloat16 only on CPUs with bf16 units")
+def test_on_a_cpu_with_bf16_units_onednn_packs_bfloat16_weights_and_computes_what_they_compute(llama_target):
+    reference = copy.deepcopy(llama_target).to(torch.bfloat16)
+    target = optimize(copy.deepcopy(reference), "onednn")
+    assert weight_layout(target) == "onednn"
+    with torch.no_grad():
+        for prompt in PROMPTS:  # bf16 GEMMs may round apart: the same logits up to bf16 rounding
+            expected, logits = reference(prompt).logits.float(), target(prompt).logits.float()
+            assert torch.allclose(logits, expected, atol=0.05, rtol=0.02)
