@@ -354,7 +354,8 @@ def test_a_non_finite_loss_stops_training_with_what_to_do(dataset, target, tmp_p
      ({"keep_checkpoints": -1}, "--keep-checkpoints must be >= 1"), ({"batch_size": 0}, "--batch-size must be >= 1"),
      ({"gradient_accumulation_steps": 0}, "--gradient-accumulation-steps must be >= 1"),
      ({"save_every": 0}, "--save-every must be >= 1"), ({"eval_every": 0}, "--eval-every must be >= 1"),
-     ({"log_every": 0}, "--log-every must be >= 1"), ({"save_dtype": "int8"}, "--save-dtype must be one of")],
+     ({"log_every": 0}, "--log-every must be >= 1"), ({"save_dtype": "int8"}, "--save-dtype must be one of"),
+     ({"draft_layers": 0}, "--draft-layers must be >= 1")],
 )
 def test_settings_that_would_silently_ruin_a_run_are_refused_up_front(dataset, tmp_path, setting, message):
     with pytest.raises(ValueError, match=message):
@@ -458,6 +459,23 @@ def test_the_trained_draft_records_its_acceptance_profile_and_decodes_with_an_au
     expected = target.generate(prompt, max_new_tokens=16, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft), expected)
     assert draft.generation_stats.shape_choice is not None  # the machine's calibration chose
+
+
+def test_a_draft_of_two_decoder_layers_trains_saves_them_and_decodes_as_plain_greedy(dataset, target, tmp_path):
+    train(config_for(dataset, tmp_path / "run", draft_layers=2), target=target, progress=False)
+    draft = Eagle3DraftModel.from_pretrained(tmp_path / "run" / "draft")
+    assert draft.config.num_hidden_layers == 2 and len(draft.extra_layers) == 1
+    earliest = sorted((tmp_path / "run").glob("checkpoint-*"))[0]  # step 4 of 8
+    latest, earlier = draft_weights(tmp_path / "run"), load_file(str(earliest / "model.safetensors"))
+    second_layer = [name for name in latest if name.startswith("extra_layers.")]
+    assert second_layer and any(not torch.equal(latest[name], earlier[name]) for name in second_layer)  # it learns
+    prompt = torch.tensor([[5, 17, 33, 2, 61, 8]])
+    expected = target.generate(prompt, max_new_tokens=16, do_sample=False)
+    output = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft, tree_depth=3,
+                             tree_top_k=2, tree_total_tokens=6)
+    assert torch.equal(output, expected)
+    with pytest.raises(ValueError, match="--draft-layers shapes a fresh draft"):
+        config_for(dataset, tmp_path, draft_layers=2, init_draft=str(tmp_path / "run" / "draft"))
 
 
 # ------------------------------------------------------------------------------------- accelerate launch, CPU (gloo)

@@ -86,8 +86,8 @@ FIXED_SETTINGS = {
     "point elsewhere": ("data", "eval_data", "eval_fraction", "seed", "batch_size", "gradient_accumulation_steps",
                         "max_length"),
     "defines the draft the checkpoint holds, or the target it learns from": (
-        "target", "draft_vocab_size", "intermediate_size", "fc_norm", "norm_before_residual", "init_draft",
-        "grow_draft_vocabulary", "init_head_from_target", "init_layer_from_target"),
+        "target", "draft_vocab_size", "draft_layers", "intermediate_size", "fc_norm", "norm_before_residual",
+        "init_draft", "grow_draft_vocabulary", "init_head_from_target", "init_layer_from_target"),
     "defines the training loss": ("ttt_steps", "step_decay"),
     "defines the optimizer whose state the checkpoint holds": (
         "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm"),
@@ -118,6 +118,8 @@ class TrainConfig:
                                            "--data (--eval-fraction)")
     eval_fraction: float = _setting(0.02, "held-out share of --data when --eval-data is not given")
     draft_vocab_size: int = _setting(32000, "draft vocabulary: the most frequent target tokens of the answers")
+    draft_layers: int = _setting(1, "decoder layers of a fresh draft (Eagle3Config.num_hidden_layers): the first reads "
+                                    "the token embedding and the fused feature, the others the feature alone")
     intermediate_size: int | None = _setting(None, "draft MLP width; default: the target's")
     fc_norm: bool = _setting(False, "EAGLE 3.1: an RMSNorm on each target feature before fc (Eagle3Config.fc_norm)")
     norm_before_residual: bool = _setting(False, "EAGLE 3.1: the residual starts from the normalised feature "
@@ -168,8 +170,8 @@ class TrainConfig:
 
     def __post_init__(self):
         """Refuse settings that would silently ruin a run, naming the valid range."""
-        at_least_one = ("draft_vocab_size", "ttt_steps", "eval_ttt_steps", "batch_size", "gradient_accumulation_steps",
-                        "save_every", "keep_checkpoints", "eval_every", "log_every")
+        at_least_one = ("draft_vocab_size", "draft_layers", "ttt_steps", "eval_ttt_steps", "batch_size",
+                        "gradient_accumulation_steps", "save_every", "keep_checkpoints", "eval_every", "log_every")
         problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                     for name in at_least_one if getattr(self, name) < 1]
         optional_at_least_one = ("max_steps", "threads", "intermediate_size")
@@ -200,6 +202,9 @@ class TrainConfig:
         if self.init_draft is not None and self.init_layer_from_target:
             problems.append("--init-layer-from-target starts a fresh draft from the target, --init-draft from a "
                             "trained draft: pass one of them")
+        if self.init_draft is not None and self.draft_layers != 1:
+            problems.append("--draft-layers shapes a fresh draft, and --init-draft keeps the layers of the draft it "
+                            "starts from: pass one of them")
         if self.save_dtype not in SAVE_DTYPES:
             problems.append(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if problems:
@@ -308,8 +313,8 @@ class TargetFeatures:
 
 
 def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
-    """An `Eagle3Config` shaped like one decoder layer of `target` (a Llama-style causal LM), with the run's
-    vocabulary size, MLP width and EAGLE 3.1 options, and the target's special-token ids."""
+    """An `Eagle3Config` whose decoder layers are shaped like `target`'s (a Llama-style causal LM), with the run's
+    number of layers, vocabulary size, MLP width and EAGLE 3.1 options, and the target's special-token ids."""
     config = target.config
     draft_config = Eagle3Config(
         vocab_size=config.vocab_size,
@@ -317,6 +322,7 @@ def draft_config_for(target: PreTrainedModel, run: TrainConfig) -> Eagle3Config:
         hidden_size=config.hidden_size,
         target_hidden_size=config.hidden_size,
         intermediate_size=run.intermediate_size or config.intermediate_size,
+        num_hidden_layers=run.draft_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
