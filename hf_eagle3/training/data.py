@@ -37,6 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..resources.loading import load_target
 from ..utils.fingerprint import file_digest, model_fingerprint, tokenizer_fingerprint
+from .decode_attention import decode_attention
 
 SHAREGPT_ALIAS = "sharegpt"
 ROLE_ALIASES = {
@@ -357,10 +358,11 @@ def regenerate_conversations(
     """Replace the assistant turns of `conversations` by `model`'s own answers, for the first `max_turns` user turns.
 
     Turn `r` of every conversation is generated in one batched pass (prompts sorted by length, left padded), with
-    the regenerated earlier turns as context. Greedy when `temperature == 0`, else sampled. A conversation whose first
-    prompt exceeds `max_prompt_length` tokens is dropped (counted in `skipped`); a later turn that would is not
-    generated, and the conversation ends before it. `bar`: a tqdm bar counting conversations over a longer run (one
-    step per conversation answered or dropped); by default one for this call (`progress`).
+    the regenerated earlier turns as context; its decode steps attend through `decode_attention`. Greedy when
+    `temperature == 0`, else sampled. A conversation whose first prompt exceeds `max_prompt_length` tokens is dropped
+    (counted in `skipped`); a later turn that would is not generated, and the conversation ends before it. `bar`: a
+    tqdm bar counting conversations over a longer run (one step per conversation answered or dropped); by default
+    one for this call (`progress`).
     """
     from tqdm.auto import tqdm
 
@@ -394,15 +396,16 @@ def regenerate_conversations(
                 batch = order[batch_start : batch_start + batch_size]
                 encoded = tokenizer.pad({"input_ids": [prompts[index] for index in batch]}, return_tensors="pt")
                 encoded = encoded.to(model.device)
-                generated = model.generate(
-                    **encoded,
-                    max_new_tokens=max_new_tokens,
-                    do_sample=temperature > 0,
-                    temperature=temperature if temperature > 0 else None,
-                    top_p=None,
-                    top_k=None,
-                    pad_token_id=pad_token_id,
-                )[:, encoded["input_ids"].shape[1] :]
+                with decode_attention(model):
+                    generated = model.generate(
+                        **encoded,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=temperature > 0,
+                        temperature=temperature if temperature > 0 else None,
+                        top_p=None,
+                        top_k=None,
+                        pad_token_id=pad_token_id,
+                    )[:, encoded["input_ids"].shape[1] :]
                 for index, answer_ids in zip(batch, generated):
                     answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
                     contexts[index] += [user_turns[index][turn], {"role": "assistant", "content": answer}]
@@ -499,19 +502,46 @@ def _check_resumable(previous: dict, settings: dict, output_dir: Path) -> None:
     )
 
 
+def _answerable(
+    conversations: Iterator[list[dict]], count: int, tokenizer: PreTrainedTokenizerBase, skipped: SkipCounts,
+    regenerate_options: dict,
+) -> tuple[list[list[dict]], int]:
+    """(the next `count` conversations whose first prompt regeneration answers, conversations read): those whose
+    first prompt is over `max_prompt_length` tokens are counted in `skipped` and stepped on the run's bar, as
+    `regenerate_conversations` counts them."""
+    answerable, read = [], 0
+    for conversation in conversations:
+        read += 1
+        prompt = render_prompt(tokenizer, conversation[: _has_system(conversation) + 1])  # up to the first user turn
+        if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= regenerate_options["max_prompt_length"]:
+            answerable.append(conversation)
+            if len(answerable) == count:
+                break
+        else:
+            skipped["prompt longer than the cap"] += 1
+            regenerate_options["bar"].update()
+    return answerable, read
+
+
 def _prepare_shard(
     conversations: Iterator[list[dict]], wanted: int, tokenizer: PreTrainedTokenizerBase, max_length: int,
     target: PreTrainedModel | None, regenerate_options: dict,
 ) -> tuple[list[Example], SkipCounts, int]:
     """(up to `wanted` examples, why the others were dropped, conversations read): conversations are taken from
     `conversations` in order, regenerated when `target` is given and tokenized, until `wanted` are usable or the
-    input runs out."""
+    input runs out. When regenerating, conversations whose first prompt is over the cap are passed over before the
+    batch is cut, so that it is regenerated at full size rather than topped up by ever smaller batches (a decode step
+    costs about as much for 5 rows as for 20)."""
     examples, skipped, read = [], SkipCounts(), 0
     while len(examples) < wanted:
-        batch = list(itertools.islice(conversations, wanted - len(examples)))
+        if target is None:
+            batch = list(itertools.islice(conversations, wanted - len(examples)))
+            read += len(batch)
+        else:
+            batch, taken = _answerable(conversations, wanted - len(examples), tokenizer, skipped, regenerate_options)
+            read += taken
         if not batch:
             break
-        read += len(batch)
         if target is not None:
             batch = regenerate_conversations(target, tokenizer, batch, skipped=skipped, **regenerate_options)
         for messages in batch:
