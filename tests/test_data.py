@@ -208,7 +208,7 @@ def test_prepare_writes_shards_and_resumes_without_regenerating(tmp_path, tokeni
 
 
 def test_a_shard_is_regenerated_in_full_batches_when_prompts_over_the_cap_are_passed_over(tmp_path, tokenizer,
-                                                                                          tiny_chat_target):
+                                                                                          tiny_chat_target, capsys):
     long = "The quick brown fox jumps over the lazy dog. " * 20
     questions = ["question 0?", long, "question 1?", long, long, "question 2?", "question 3?", "question 4?"]
     path = tmp_path / "chat.jsonl"
@@ -223,13 +223,14 @@ def test_a_shard_is_regenerated_in_full_batches_when_prompts_over_the_cap_are_pa
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tiny_chat_target, "generate", counted_generate)
         prepared = prepare_dataset([path], tmp_path / "out", tokenizer, target=tiny_chat_target, max_length=64,
-                                   shard_size=4, max_new_tokens=3, batch_size=4, max_prompt_length=80,
-                                   progress=False)
+                                   shard_size=4, max_new_tokens=3, batch_size=4, max_prompt_length=80, limit=5)
     assert batch_sizes == [4, 1]  # not 4 conversations read, 2 answered, then 2, then ...
     assert [example.messages[0]["content"] for example in prepared.examples] == [q for q in questions if q != long]
     assert prepared.skipped == {"prompt longer than the cap": 3}
     record = json.loads((tmp_path / "out" / "shard-00000.record.json").read_text())
     assert record == {"conversations_read": 7, "skipped": {"prompt longer than the cap": 3}}
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert "5/5 [" in [line for line in bar if line.startswith("regenerating")][-1]  # the answered ones, not the read
 
 
 def test_prepare_grows_a_dataset_with_a_larger_limit(tmp_path, tokenizer, tiny_chat_target):

@@ -503,23 +503,22 @@ def _check_resumable(previous: dict, settings: dict, output_dir: Path) -> None:
 
 
 def _answerable(
-    conversations: Iterator[list[dict]], count: int, tokenizer: PreTrainedTokenizerBase, skipped: SkipCounts,
-    regenerate_options: dict,
+    conversations: Iterator[list[dict]], count: int, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int,
+    skipped: SkipCounts,
 ) -> tuple[list[list[dict]], int]:
     """(the next `count` conversations whose first prompt regeneration answers, conversations read): those whose
-    first prompt is over `max_prompt_length` tokens are counted in `skipped` and stepped on the run's bar, as
-    `regenerate_conversations` counts them."""
+    first prompt is over `max_prompt_length` tokens are counted in `skipped`, as `regenerate_conversations` counts
+    them."""
     answerable, read = [], 0
     for conversation in conversations:
         read += 1
         prompt = render_prompt(tokenizer, conversation[: _has_system(conversation) + 1])  # up to the first user turn
-        if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= regenerate_options["max_prompt_length"]:
+        if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_length:
             answerable.append(conversation)
             if len(answerable) == count:
                 break
         else:
             skipped["prompt longer than the cap"] += 1
-            regenerate_options["bar"].update()
     return answerable, read
 
 
@@ -538,7 +537,8 @@ def _prepare_shard(
             batch = list(itertools.islice(conversations, wanted - len(examples)))
             read += len(batch)
         else:
-            batch, taken = _answerable(conversations, wanted - len(examples), tokenizer, skipped, regenerate_options)
+            batch, taken = _answerable(conversations, wanted - len(examples), tokenizer,
+                                       regenerate_options["max_prompt_length"], skipped)
             read += taken
         if not batch:
             break
@@ -623,7 +623,8 @@ def prepare_dataset(
 
     from tqdm.auto import tqdm
 
-    # one bar over the whole run, with an ETA when --limit gives the total (resumed shards count as done)
+    # one bar over the whole run counting the conversations answered, with an ETA when --limit gives the total
+    # (resumed shards count as done; prompts passed over do not count, or the bar would overrun the limit)
     bar = tqdm(total=limit, desc="regenerating", unit="conversation", disable=not progress or target is None)
     regenerate_options = dict(max_turns=max_turns, max_prompt_length=max_prompt_length, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, temperature=temperature, bar=bar)
@@ -641,7 +642,7 @@ def prepare_dataset(
             for _ in itertools.islice(conversations, record["conversations_read"]):  # past what it was made from
                 pass
             shard_examples, shard_skips = _read_shard(shard_path), SkipCounts(record["skipped"])
-            bar.update(record["conversations_read"])
+            bar.update(len(shard_examples))
         else:
             shard_examples, shard_skips, read = _prepare_shard(conversations, wanted, tokenizer, max_length, target,
                                                                regenerate_options)
