@@ -9,6 +9,7 @@ import torch
 from hf_eagle3.commands.bench import (
     acceptance_by_position,
     bench_markdown,
+    cycles_ending_outside_vocabulary,
     first_divergence,
     markdown_table,
     methods_from_names,
@@ -63,6 +64,15 @@ def test_acceptance_by_position():
     assert acceptance_by_position([1, 1], 2) == [0.0, None]
 
 
+def test_a_cycle_counts_as_ending_outside_the_vocabulary_when_its_last_token_cannot_be_drafted():
+    drafted = torch.ones(10, dtype=torch.bool)
+    drafted[[4, 9]] = False
+    # the prefill's token 5; cycles emit [7, 9], [3, 4, 8] and [4]: the first and last end on undraftable tokens
+    new_tokens = torch.tensor([5, 7, 9, 3, 4, 8, 4])
+    assert cycles_ending_outside_vocabulary(new_tokens, [2, 3, 1], drafted) == 2
+    assert cycles_ending_outside_vocabulary(new_tokens[:1], [], drafted) == 0
+
+
 def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fitted_draft, tmp_path):
     torch.manual_seed(0)
     prompts = {"set-a": [torch.randint(1, 90, (1, 7)) for _ in range(2)], "set-b": [torch.randint(1, 90, (1, 5))]}
@@ -85,6 +95,9 @@ def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fit
     assert sum(n * count for n, count in tree["accepted_length_histogram"].items()) == 2 * 12 - 2  # the prefill
     assert tree["tau"] == pytest.approx((2 * 12 - 2) / cycles)  # token of each prompt comes from no cycle
     assert set(tree["cycle_ms"]) == {"draft", "verify", "other"}
+    assert 0 <= tree["ends_outside_vocabulary"] <= 1
+    eagle3_records = [r for r in records if "acceptance_lengths" in r]
+    assert all(r["ends_outside_vocabulary"] <= len(r["acceptance_lengths"]) for r in eagle3_records)
 
     table = markdown_table(summary)
     assert table.count("\n") == 2 + 2 * 4 and "| set-a | tree:3x3x8 | 3x3x8 |" in table and "| 0 (0) |" in table

@@ -153,6 +153,17 @@ def acceptance_by_position(acceptance_lengths: list[int], depth: int) -> list[fl
     return rates
 
 
+def cycles_ending_outside_vocabulary(new_tokens: torch.Tensor, acceptance_lengths: list[int],
+                                     drafted: torch.Tensor) -> int:
+    """How many cycles ended on a token the draft cannot propose: the target's own token, a cycle's last, outside the
+    draft vocabulary (`drafted`: the draft's `t2d`). `new_tokens` (`[T]`) are the call's; the cycles emitted all but
+    the prefill's first."""
+    if not acceptance_lengths:
+        return 0
+    ends = torch.tensor(acceptance_lengths).cumsum(0) - 1 + (new_tokens.numel() - sum(acceptance_lengths))
+    return int((~drafted[new_tokens[ends].to(drafted.device)]).sum())
+
+
 def first_divergence(plain_output, output, prompt_length: int) -> dict:
     """Where greedy `output` leaves `plain_output` (both `GenerateDecoderOnlyOutput`s with `scores`), and each run's
     logit gap between the two tokens there.
@@ -252,6 +263,8 @@ def run_benchmark(
                         call_choices[set_name, index, method.name] = run.choice
                     record.update(
                         acceptance_lengths=run.acceptance_lengths,
+                        ends_outside_vocabulary=cycles_ending_outside_vocabulary(
+                            sequences[method.name][0, input_ids.shape[1]:], run.acceptance_lengths, draft.t2d),
                         prefill_seconds=run.prefill_seconds,
                         draft_seconds=run.draft_seconds,
                         verify_seconds=run.verify_seconds,
@@ -350,12 +363,15 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                     entry.update(prediction_entry(choices[method.name], measured, calls),
                                  prediction_baseline=method.path_baseline)
                 if not cycles:
-                    entry.update(n_alpha=[], accepted_length_histogram={})
+                    entry.update(n_alpha=[], accepted_length_histogram={}, ends_outside_vocabulary=None)
                     summary.setdefault(set_name, {})[method.name] = entry
                     continue
                 entry.update(
                     n_alpha=acceptance_by_position(lengths, rows[0]["depth"]),
                     accepted_length_histogram={n: lengths.count(n) for n in sorted(set(lengths))},
+                    # records written before the field existed hold no count
+                    ends_outside_vocabulary=sum(r["ends_outside_vocabulary"] for r in rows) / cycles
+                    if all("ends_outside_vocabulary" in r for r in rows) else None,
                     cycle_ms={part: 1000 * sum(r[f"{part}_seconds"] for r in rows) / cycles
                               for part in CYCLE_PARTS},
                 )
@@ -378,6 +394,8 @@ TABLE_LEGEND = """\
   tokens/s can therefore differ from their speedup, which weighs every prompt alike.
 - **τ**: tokens per target forward (accepted drafted tokens + 1), over all cycles.
 - **n-α**: the share of cycles whose n-th drafted token (0: the first) is accepted, among those that accepted 0..n-1.
+- **ends outside vocab.**: the share of cycles that ended on a token outside the draft vocabulary, which the draft
+  cannot propose (only a context n-gram can): what a larger `--draft-vocab-size` could win back.
 - **draft / verify / other ms per cycle**: where a cycle's time goes (drafting the tree, the target's verification
   forward, the rest).
 - **greedy mismatches (near-ties)**: prompts whose greedy output differs from plain decoding's (those where the two
@@ -394,8 +412,8 @@ def bench_markdown(summary: dict, machine: str, dtype: str, threads: int) -> str
 def markdown_table(summary: dict) -> str:
     lines = [
         ("| set | method | tree (DxKxN) | speedup | predicted (error) | at measured τ (error) | tokens/s | τ | 0-α | "
-         "1-α | 2-α | draft / verify / other ms per cycle | greedy mismatches (near-ties) |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+         "1-α | 2-α | ends outside vocab. | draft / verify / other ms per cycle | greedy mismatches (near-ties) |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, methods in summary.items():
         for name, entry in methods.items():
@@ -411,6 +429,8 @@ def markdown_table(summary: dict) -> str:
                 + f"{entry['tokens_per_second']:.1f} | "
                 + (f"{entry['tau']:.2f}" if "tau" in entry else "-")
                 + "".join(f" | {a:.2f}" if a is not None else " | -" for a in alphas[:3])
+                + (f" | {entry['ends_outside_vocabulary']:.0%}" if entry.get("ends_outside_vocabulary") is not None
+                   else " | -")
                 + (f" | {split['draft']:.1f} / {split['verify']:.1f} / {split['other']:.1f}" if split else " | -")
                 + f" | {len(entry['greedy_mismatches'])} ({len(entry['near_tie_mismatches'])}) |"
             )
