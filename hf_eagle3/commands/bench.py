@@ -395,7 +395,8 @@ TABLE_LEGEND = """\
 - **τ**: tokens per target forward (accepted drafted tokens + 1), over all cycles.
 - **n-α**: the share of cycles whose n-th drafted token (0: the first) is accepted, among those that accepted 0..n-1.
 - **ends outside vocab.**: the share of cycles that ended on a token outside the draft vocabulary, which the draft
-  cannot propose (only a context n-gram can): what a larger `--draft-vocab-size` could win back.
+  cannot propose (only a context n-gram can): the cycles a larger `--draft-vocab-size` gives a chance, if its new rows
+  learn enough (docs/training.md).
 - **draft / verify / other ms per cycle**: where a cycle's time goes (drafting the tree, the target's verification
   forward, the rest).
 - **greedy mismatches (near-ties)**: prompts whose greedy output differs from plain decoding's (those where the two
