@@ -170,6 +170,39 @@ def test_length_cap_cuts_and_drops_conversations_without_assistant_tokens(tokeni
     assert tokenize_conversation(tokenizer, messages, max_length=prompt_length) is None
 
 
+def test_an_answer_s_generated_token_ids_replace_its_text_in_the_training_example(tokenizer):
+    messages = conversation("How can I help?", "The quick fox.")
+    as_text = tokenize_conversation(tokenizer, messages, max_length=1000)
+    prompt_ids = tokenizer(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True))[
+        "input_ids"]
+    # the same answer split into one token per character, as a target may generate what its tokenizer merges
+    generated = [tokenizer(character)["input_ids"][0] for character in "The quick fox."]
+    assert generated != as_text[0][len(prompt_ids) : len(prompt_ids) + len(generated)]
+    input_ids, loss_mask = tokenize_conversation(tokenizer, [messages[0], messages[1] | {"token_ids": generated}], 1000)
+    end_of_turn = as_text[0][len(prompt_ids) + sum(as_text[1]) - 1 :]  # the mask: the answer's tokens and <|im_end|>
+    assert input_ids == prompt_ids + generated + end_of_turn
+    assert tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if m]) == "The quick fox.<|im_end|>"
+    assert sum(loss_mask) == len(generated) + 1
+    cut = tokenize_conversation(tokenizer, [messages[0], messages[1] | {"token_ids": generated}], len(prompt_ids) + 3)
+    assert cut == (prompt_ids + generated[:3], [0] * len(prompt_ids) + [1] * 3)
+
+
+def test_a_regenerated_answer_is_trained_on_the_ids_the_target_generated(tokenizer, tiny_chat_target):
+    messages = conversation("How can I help?", "original answer")
+    regenerated = regenerate_conversations(tiny_chat_target, tokenizer, [messages], max_new_tokens=12, progress=False)
+    prompt = tokenizer(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True),
+                       return_tensors="pt")
+    output = tiny_chat_target.generate(**prompt, max_new_tokens=12, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)[0, prompt["input_ids"].shape[1] :].tolist()
+    stops = {tokenizer.pad_token_id, tokenizer.eos_token_id}
+    generated = output[: next((i for i, t in enumerate(output) if t in stops), None)]
+    assert regenerated[0][1]["token_ids"] == generated
+    input_ids, loss_mask = tokenize_conversation(tokenizer, regenerated[0], max_length=1000)
+    length = prompt["input_ids"].shape[1]
+    assert input_ids[: length + len(generated)] == prompt["input_ids"][0].tolist() + generated
+    assert loss_mask[length : length + len(generated)] == [1] * len(generated) and not any(loss_mask[:length])
+
+
 def test_regeneration_replaces_answers_and_skips_long_prompts(tokenizer, tiny_chat_target):
     conversations = [
         conversation("How can I help?", "original answer", "And the dog?", "original"),

@@ -301,39 +301,87 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> s
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _assistant_span(tokenizer: PreTrainedTokenizerBase, messages: list[dict], index: int, text: str) -> tuple[int, int]:
+    """The character range in `text` (the whole conversation rendered) of assistant turn `messages[index]`: its
+    content and end-of-turn token as the template renders them, without the trailing whitespace."""
+    prompt = render_prompt(tokenizer, messages[:index])
+    if not text.startswith(prompt):
+        raise ValueError(
+            "The chat template does not render a conversation's prefix as a prefix of the whole conversation, so "
+            "assistant tokens cannot be located; use a target whose template appends turns."
+        )
+    return len(prompt), len(tokenizer.apply_chat_template(messages[: index + 1], tokenize=False).rstrip())
+
+
+def _mask_of(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], shift: int = 0) -> list[int]:
+    """1 for each token (character `offsets`, shifted by `shift`) that starts within one of `spans` (ascending)."""
+    loss_mask, span = [], 0
+    for token_start, _ in offsets:  # token offsets ascend, like the spans
+        token_start += shift
+        while span < len(spans) and spans[span][1] <= token_start:
+            span += 1
+        loss_mask.append(int(span < len(spans) and spans[span][0] <= token_start))
+    return loss_mask
+
+
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int
 ) -> tuple[list[int], list[int]] | None:
     """(`input_ids`, `loss_mask`) of a conversation under the target's chat template, cut to `max_length` tokens.
 
     The loss mask covers each assistant turn's text as the template renders it (content and end-of-turn token,
-    without the trailing whitespace). Returns None when no assistant token fits within `max_length`. Only the turns
-    that start within the kept tokens are located, so the work is linear in the conversation's length.
+    without the trailing whitespace). An assistant message with `token_ids` (a regenerated answer: the ids the target
+    generated) contributes those ids in place of its content's tokens: a tokenizer can split the generated text
+    otherwise (SmolLM2 generates `"\n\n"` as one token and tokenizes the text as two), and the draft must learn the
+    target's tokens. Returns None when no assistant token fits within `max_length`. Without `token_ids`, only the
+    turns that start within the kept tokens are located, so the work is linear in the conversation's length.
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids, offsets = encoding["input_ids"][:max_length], encoding["offset_mapping"][:max_length]
-    kept_characters = offsets[-1][1] if offsets else 0
-    spans = []  # character ranges of the assistant turns in `text`, in order
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = render_prompt(tokenizer, messages[:index])
-        if not text.startswith(prompt):
-            raise ValueError(
-                "The chat template does not render a conversation's prefix as a prefix of the whole conversation, so "
-                "assistant tokens cannot be located; use a target whose template appends turns."
-            )
-        if len(prompt) >= kept_characters:
-            break  # this turn and the later ones lie past the length cap
-        spans.append((len(prompt), len(tokenizer.apply_chat_template(messages[: index + 1], tokenize=False).rstrip())))
-    loss_mask, span = [], 0
-    for token_start, _ in offsets:  # token offsets ascend, like the spans
-        while span < len(spans) and spans[span][1] <= token_start:
-            span += 1
-        loss_mask.append(int(span < len(spans) and spans[span][0] <= token_start))
+    assistant = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if any("token_ids" in messages[index] for index in assistant):
+        input_ids, loss_mask = _tokenize_with_generated_ids(tokenizer, messages, assistant, text)
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    else:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids, offsets = encoding["input_ids"][:max_length], encoding["offset_mapping"][:max_length]
+        kept_characters = offsets[-1][1] if offsets else 0
+        spans = []  # character ranges of the assistant turns in `text`, in order
+        for index in assistant:
+            start, end = _assistant_span(tokenizer, messages, index, text)
+            if start >= kept_characters:
+                break  # this turn and the later ones lie past the length cap
+            spans.append((start, end))
+        loss_mask = _mask_of(offsets, spans)
     if not any(loss_mask):
         return None
+    return input_ids, loss_mask
+
+
+def _tokenize_with_generated_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], assistant: list[int], text: str
+) -> tuple[list[int], list[int]]:
+    """`tokenize_conversation` for a conversation with generated answers: the text between them tokenized (the text
+    before an answer is the prompt its ids were generated after), each answer's `token_ids` in place of its content."""
+    spans = [_assistant_span(tokenizer, messages, index, text) for index in assistant]
+    input_ids, loss_mask, position = [], [], 0
+
+    def add_text(end: int) -> None:
+        encoding = tokenizer(text[position:end], add_special_tokens=False, return_offsets_mapping=True)
+        input_ids.extend(encoding["input_ids"])
+        loss_mask.extend(_mask_of(encoding["offset_mapping"], spans, shift=position))
+
+    for index, (start, _) in zip(assistant, spans):
+        message = messages[index]
+        if "token_ids" not in message:
+            continue
+        if not text.startswith(message["content"], start):
+            raise ValueError("The chat template does not render an assistant answer verbatim after its prompt, so "
+                             "its generated token_ids cannot replace it; drop token_ids to tokenize its text.")
+        add_text(start)
+        input_ids.extend(message["token_ids"])
+        loss_mask.extend([1] * len(message["token_ids"]))
+        position = start + len(message["content"])
+    add_text(len(text))
     return input_ids, loss_mask
 
 
@@ -359,7 +407,9 @@ def regenerate_conversations(
 
     Turn `r` of every conversation is generated in one batched pass (prompts sorted by length, left padded), with
     the regenerated earlier turns as context; its decode steps attend through `decode_attention`. Greedy when
-    `temperature == 0`, else sampled. A conversation whose first prompt exceeds `max_prompt_length` tokens is dropped
+    `temperature == 0`, else sampled. Each answer keeps the ids the model generated, up to its end of turn, as the
+    message's `token_ids` (`tokenize_conversation` trains on them). A conversation whose first prompt exceeds
+    `max_prompt_length` tokens is dropped
     (counted in `skipped`); a later turn that would is not generated, and the conversation ends before it. `bar`: a
     tqdm bar counting conversations over a longer run (one step per conversation answered or dropped); by default
     one for this call (`progress`).
@@ -369,6 +419,8 @@ def regenerate_conversations(
     skipped = SkipCounts() if skipped is None else skipped
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id
+    stops = {pad_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}  # where an answer's ids end
     contexts = [conversation[: _has_system(conversation)] for conversation in conversations]
     user_turns = [[m for m in conversation if m["role"] == "user"][:max_turns] for conversation in conversations]
     open_conversations = set(range(len(conversations)))
@@ -406,9 +458,11 @@ def regenerate_conversations(
                         top_k=None,
                         pad_token_id=pad_token_id,
                     )[:, encoded["input_ids"].shape[1] :]
-                for index, answer_ids in zip(batch, generated):
+                for index, answer_ids in zip(batch, generated.tolist()):
+                    answer_ids = answer_ids[: next((i for i, t in enumerate(answer_ids) if t in stops), None)]
                     answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-                    contexts[index] += [user_turns[index][turn], {"role": "assistant", "content": answer}]
+                    contexts[index] += [user_turns[index][turn],
+                                        {"role": "assistant", "content": answer, "token_ids": answer_ids}]
                 bar.update(sum(1 for index in batch if turn + 1 == len(user_turns[index])))  # their last turn
     finally:
         tokenizer.padding_side = padding_side
