@@ -360,8 +360,9 @@ def tokenize_conversation(
 def _tokenize_with_generated_ids(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], assistant: list[int], text: str
 ) -> tuple[list[int], list[int]]:
-    """`tokenize_conversation` for a conversation with generated answers: the text between them tokenized (the text
-    before an answer is the prompt its ids were generated after), each answer's `token_ids` in place of its content."""
+    """`tokenize_conversation` for a conversation with generated answers: the text between them tokenized, each
+    answer's `token_ids` in place of its content. The first answer follows exactly the prompt it was generated after;
+    a later one follows the earlier answers' generated ids, where the prompt it was generated after held their text."""
     spans = [_assistant_span(tokenizer, messages, index, text) for index in assistant]
     input_ids, loss_mask, position = [], [], 0
 
@@ -409,10 +410,9 @@ def regenerate_conversations(
     the regenerated earlier turns as context; its decode steps attend through `decode_attention`. Greedy when
     `temperature == 0`, else sampled. Each answer keeps the ids the model generated, up to its end of turn, as the
     message's `token_ids` (`tokenize_conversation` trains on them). A conversation whose first prompt exceeds
-    `max_prompt_length` tokens is dropped
-    (counted in `skipped`); a later turn that would is not generated, and the conversation ends before it. `bar`: a
-    tqdm bar counting conversations over a longer run (one step per conversation answered or dropped); by default
-    one for this call (`progress`).
+    `max_prompt_length` tokens is dropped (counted in `skipped`); a later turn that would is not generated, and the
+    conversation ends before it. `bar`: a tqdm bar counting conversations over a longer run (one step per
+    conversation answered or dropped); by default one for this call (`progress`).
     """
     from tqdm.auto import tqdm
 
