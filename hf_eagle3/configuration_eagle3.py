@@ -157,8 +157,9 @@ class Eagle3Config(PreTrainedConfig):
             with context n-gram candidates in the tree. It does not depend on the hardware; `tree_shape="auto"`
             combines the rows of the call's `ngram_candidates` setting (for shapes profiled only without context
             candidates, those rows: a lower bound) with the machine's measured costs. Where the prompts came from
-            several sets, a row's optional `"tau_by_set"` maps each set's name (`"mt-bench"`, `"humaneval"`) to its
-            τ: what predictions for prompts of one kind read (`hf-eagle3 bench`, `demo`); `tau` is over them all.
+            several sets, a row's optional `"tau_by_set"` maps each set's name (`"mt-bench"`, `"humaneval"`) to the
+            median τ of its prompts: what predictions of the median speedup over prompts of one kind read (`hf-eagle3
+            bench`, `demo`); `tau` pools every cycle of them all.
         converted_from (`dict`, *optional*):
             Set by `hf-eagle3 convert` (and by `from_pretrained` on a foreign checkpoint) when the draft was converted
             from another project's format: `{"format": ..., "notes": [...]}`, the notes stating every reading chosen

@@ -56,8 +56,11 @@ def acceptance_profile(
     (`ngram_candidates`, by default the draft's setting; the smaller trees take the continuations' acceptance rates
     from the largest tree's run). Shapes with more nodes than their
     depth has candidates are left out (the same tree as a smaller size). `prompt_sets` names the set of each prompt
-    (`"mt-bench"`, `"humaneval"`, ...): where it names two or more, every row also holds each set's τ
-    (`"tau_by_set"`), for predictions per kind of prompt."""
+    (`"mt-bench"`, `"humaneval"`, ...): where it names two or more, every row also holds each set's median over its
+    prompts of their τ (`"tau_by_set"`): a typical prompt's, which is what the median over calls of their speedups
+    reads, for predictions per kind of prompt. (`"tau"` pools every cycle: the long-run rate `tree_shape="auto"`
+    chooses by; the few prompts whose answers a context continuation copies reach two or three times the others' τ
+    and pull it above a typical prompt's.)"""
     from tqdm.auto import tqdm
 
     if ngram_candidates is None:
@@ -72,10 +75,10 @@ def acceptance_profile(
     for top_k in top_ks:
         largest = min(max_total, max_candidates(max_depth, top_k))  # can't keep more than the candidates
         totals = sorted({n for n in TOTAL_TOKENS_GRID if n < largest} | {largest})
-        accepted_sums = {name: torch.zeros(len(depths), len(totals), dtype=torch.long) for name in sets}
-        cycles = dict.fromkeys(sets, 0)
-        for input_ids, label in tqdm(list(zip(prompts, labels)), desc=f"acceptance profile, top-k {top_k}",
-                                     disable=not progress):
+        accepted = torch.zeros(len(prompts), len(depths), len(totals), dtype=torch.long)  # per prompt and shape
+        cycles = torch.zeros(len(prompts), dtype=torch.long)
+        for index, input_ids in enumerate(tqdm(prompts, desc=f"acceptance profile, top-k {top_k}",
+                                               disable=not progress)):
             stats = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
                                     tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest,
                                     ngram_candidates=ngram_candidates, record_greedy_cycles=True,
@@ -84,13 +87,15 @@ def acceptance_profile(
             for (tree, path), emitted in zip(stats.greedy_cycles, stats.acceptance_lengths):
                 holding_depths = tree.candidate_depths.clone()
                 holding_depths[drafted:] = 0
-                accepted_sums[label] += accepted_in_smaller_trees(
+                accepted[index] += accepted_in_smaller_trees(
                     tree.candidate_rank_keys, holding_depths, tree.candidate_ids[path[1:] - 1],
                     torch.tensor(depths, device=path.device), torch.tensor(totals, device=path.device),
                 ).cpu().clamp_max(emitted - 1)  # a cycle cut by max_new_tokens or a stop emits fewer
-            cycles[label] += stats.num_cycles
-        taus = 1 + sum(accepted_sums.values()).double() / max(sum(cycles.values()), 1)
-        set_taus = {name: 1 + accepted_sums[name].double() / max(cycles[name], 1) for name in sets if name}
+            cycles[index] = stats.num_cycles
+        taus = 1 + accepted.sum(0).double() / max(int(cycles.sum()), 1)
+        prompt_taus = 1 + accepted.double() / cycles.clamp_min(1).double()[:, None, None]
+        set_taus = {name: prompt_taus[torch.tensor([label == name for label in labels])].quantile(0.5, dim=0)
+                    for name in sets if name}
         for depth in depths:
             for index, total in enumerate(totals):
                 if total <= max_candidates(depth, top_k):
