@@ -77,8 +77,8 @@ def acceptance_profile(
         totals = sorted({n for n in TOTAL_TOKENS_GRID if n < largest} | {largest})
         accepted = torch.zeros(len(prompts), len(depths), len(totals), dtype=torch.long)  # per prompt and shape
         cycles = torch.zeros(len(prompts), dtype=torch.long)
-        for index, input_ids in enumerate(tqdm(prompts, desc=f"acceptance profile, top-k {top_k}",
-                                               disable=not progress)):
+        for prompt, input_ids in enumerate(tqdm(prompts, desc=f"acceptance profile, top-k {top_k}",
+                                                disable=not progress)):
             stats = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=draft,
                                     tree_depth=max_depth, tree_top_k=top_k, tree_total_tokens=largest,
                                     ngram_candidates=ngram_candidates, record_greedy_cycles=True,
@@ -87,11 +87,11 @@ def acceptance_profile(
             for (tree, path), emitted in zip(stats.greedy_cycles, stats.acceptance_lengths):
                 holding_depths = tree.candidate_depths.clone()
                 holding_depths[drafted:] = 0
-                accepted[index] += accepted_in_smaller_trees(
+                accepted[prompt] += accepted_in_smaller_trees(
                     tree.candidate_rank_keys, holding_depths, tree.candidate_ids[path[1:] - 1],
                     torch.tensor(depths, device=path.device), torch.tensor(totals, device=path.device),
                 ).cpu().clamp_max(emitted - 1)  # a cycle cut by max_new_tokens or a stop emits fewer
-            cycles[index] = stats.num_cycles
+            cycles[prompt] = stats.num_cycles
         taus = 1 + accepted.sum(0).double() / max(int(cycles.sum()), 1)
         prompt_taus = 1 + accepted.double() / cycles.clamp_min(1).double()[:, None, None]
         set_taus = {name: prompt_taus[torch.tensor([label == name for label in labels])].quantile(0.5, dim=0)
