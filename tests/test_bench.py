@@ -242,7 +242,7 @@ def test_bench_md_says_what_each_column_means_and_how_speedup_differs_from_token
                    "draft / verify / other ms per cycle",
                    "greedy mismatches (near-ties)"):
         assert f"- **{column}**: " in report
-    assert "median over the set's prompts of plain time / method time" in report
+    assert "median over the set's prompts of the method's tokens/s over plain decoding's" in report
     assert "can therefore differ from their speedup" in report
 
 
@@ -266,6 +266,17 @@ def test_verification_cost_with_the_cpu_layout_tables_every_layout(llama_target,
     assert list(record["seconds"]) == layouts
     assert ("| tokens verified |" + "".join(f" {layout} ms | x 1 token |" for layout in layouts)) in table
     assert weight_layout(target) == "standard"  # left as loaded
+
+
+def test_a_method_that_ends_its_answer_sooner_is_compared_by_tokens_per_second_not_by_time():
+    """In bfloat16 a method can part from plain decoding at a near-tie and stop sooner: half the tokens in half the
+    time is plain decoding's speed."""
+    methods = methods_from_names(["plain", "prompt-lookup"], 3, 3, 8)
+    records = [{"set": "set-a", "prompt": 0, "method": method, "seconds": seconds, "new_tokens": new_tokens,
+                "prompt_tokens": 7, "identical_to_plain": method == "plain"}
+               for method, seconds, new_tokens in (("plain", 2.0, 8), ("prompt-lookup", 1.0, 4))]
+    entry = summarise(records, methods, True)["summary"]["set-a"]["prompt-lookup"]
+    assert entry["speedup"] == 1.0 and entry["tokens_per_second"] == 4.0
 
 
 def test_a_compiled_auto_method_s_prediction_is_checked_against_compiled_plain_decoding():

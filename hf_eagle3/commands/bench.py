@@ -5,7 +5,9 @@ right.
 Every method runs once on the first prompt of every set before anything is timed (kernel selection for each new
 shape can cost many times a normal forward). Then, for each prompt, the methods run back to back, `repetitions`
 times, and each method's time on that prompt is the median of its repetitions. Speedup of a method on a prompt is
-plain time / method time; a set's speedup is the median over its prompts. Greedy outputs are compared with plain
+its tokens per second over plain decoding's (new tokens / seconds, prefill included); a set's speedup is the median
+over its prompts. In bfloat16 two methods can part at a near-tie and end their answers at different lengths, so their
+times alone would compare unequal work. Greedy outputs are compared with plain
 decoding as they come, and every mismatch is reported with where the outputs part and how far apart the two tokens
 were in the target's logits there, as plain decoding and as the method computed them.
 
@@ -325,6 +327,11 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Ca
     }
 
 
+def _tokens_per_second(record: dict) -> float:
+    """A timed call's new tokens over its seconds, prefill included."""
+    return record["new_tokens"] / record["seconds"]
+
+
 def summarise(records: list[dict], methods: list[Method], greedy: bool,
               choices: dict[str, TreeChoice] | None = None,
               call_choices: dict[tuple[str, int, str], TreeChoice] | None = None) -> dict:
@@ -335,13 +342,12 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
     choices, call_choices = choices or {}, call_choices or {}
     summary = {}
     for set_name in dict.fromkeys(record["set"] for record in records):
-        seconds_of = {name: {r["prompt"]: r["seconds"] for r in records if r["set"] == set_name and r["method"] == name}
-                      for name in ("plain", "compiled")}
-        plain_seconds = seconds_of["plain"]
+        speed_of = {name: {r["prompt"]: _tokens_per_second(r) for r in records
+                           if r["set"] == set_name and r["method"] == name} for name in ("plain", "compiled")}
         for method in methods:
             rows = [r for r in records if r["set"] == set_name and r["method"] == method.name]
             entry = {
-                "speedup": statistics.median(plain_seconds[r["prompt"]] / r["seconds"] for r in rows),
+                "speedup": statistics.median(_tokens_per_second(r) / speed_of["plain"][r["prompt"]] for r in rows),
                 "tokens_per_second": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
                 "prompts": len(rows),
                 "greedy_mismatches": [r["prompt"] for r in rows if greedy and not r["identical_to_plain"]],
@@ -353,13 +359,13 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 entry["shapes"] = sorted({r["shape"] for r in rows})
                 # tree_shape="auto" decoded plainly: one token per target forward
                 entry["tau"] = sum(lengths) / cycles if cycles else 1.0
-                baseline = seconds_of[method.path_baseline]
+                baseline = speed_of[method.path_baseline]
                 if method.name in choices and baseline:
                     calls = [Call(r["new_tokens"], r["prefill_seconds"],
                                   sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
                                   if r["acceptance_lengths"] else 1.0, r["prompt_tokens"], set_name,
                                   call_choices.get((set_name, r["prompt"], method.name))) for r in rows]
-                    measured = statistics.median(baseline[r["prompt"]] / r["seconds"] for r in rows)
+                    measured = statistics.median(_tokens_per_second(r) / baseline[r["prompt"]] for r in rows)
                     entry.update(prediction_entry(choices[method.name], measured, calls),
                                  prediction_baseline=method.path_baseline)
                 if not cycles:
@@ -383,7 +389,7 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
 TABLE_LEGEND = """\
 - **tree (DxKxN)**: the tree shape decoded with, depth x top-k x drafted tokens (`auto`: the shape calibrated for this
   machine, or `plain` where no tree pays; a chain is top-k 1).
-- **speedup**: the median over the set's prompts of plain time / method time on the same prompt.
+- **speedup**: the median over the set's prompts of the method's tokens/s over plain decoding's on the same prompt.
 - **predicted (error)**: for `auto`, the speedup the calibration predicted (the acceptance profile's τ for the set,
   where it holds one, over the predicted cycle time), and how far it is from the measured speedup. The calibration
   predicts the speedup over plain decoding on its own path: for `+compiled`, over `compiled` (the cell then gives that
@@ -448,7 +454,7 @@ def save_plots(summary: dict, output_dir: Path, settings: dict | None = None) ->
 
 
 FIGURE_CAPTION = (
-    "Speedup: median over prompts of plain time / method time on the same prompt, on one scale for every set.\n"
+    "Speedup: median over prompts of tokens/s over plain decoding's on the same prompt, on one scale for every set.\n"
     "Hatched: cycles that emitted more tokens than the tree is deep (depth + 1), which only a context n-gram branch "
     "can: a continuation of up to ngram_max_tokens tokens\ncopied from the prompt or the answer so far, accepted whole."
 )

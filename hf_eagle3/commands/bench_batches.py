@@ -50,7 +50,8 @@ def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens
     texts = [text for pair in zip(prompt_texts("mt-bench"), prompt_texts("humaneval")) for text in pair]
     eos = target.generation_config.eos_token_id
     eos_token_ids = set(eos if isinstance(eos, list) else [eos])
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                  return_dict_in_generate=True)
     rows = []
     for batch_size in batch_sizes:
         batch = chat_batch(tokenizer, texts[:batch_size])
@@ -58,12 +59,12 @@ def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens
 
         methods = {
             "plain": dict(),
-            "eagle3": dict(assistant_model=draft, tree_shape="auto", return_dict_in_generate=True),
+            "eagle3": dict(assistant_model=draft, tree_shape="auto"),
         }
         if fixed_tree:
             depth, top_k, total_tokens = fixed_tree
             methods["fixed"] = dict(assistant_model=draft, tree_depth=depth, tree_top_k=top_k,
-                                    tree_total_tokens=total_tokens, return_dict_in_generate=True)
+                                    tree_total_tokens=total_tokens)
         for method in methods.values():  # warm-up (and the calibration at this batch size, once per machine)
             target.generate(**batch, **kwargs, **method)
         times, outputs = {name: [] for name in methods}, {}
@@ -72,20 +73,22 @@ def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens
                 start = time.perf_counter()
                 outputs[name] = target.generate(**batch, **kwargs, **method)
                 times[name].append(time.perf_counter() - start)
-        tokens = generated_tokens(outputs["plain"], width, eos_token_ids)
-        seconds = {name: statistics.median(values) for name, values in times.items()}
-        row = {"batch_size": batch_size, "generated_tokens": tokens}
+        # each method's own count: in bfloat16 a row can part from plain decoding at a near-tie and end elsewhere
+        tokens = {name: generated_tokens(outputs[name].sequences, width, eos_token_ids) for name in methods}
+        speed = {name: tokens[name] / statistics.median(times[name]) for name in methods}
+        row = {"batch_size": batch_size, "generated_tokens": tokens["plain"]}
         for name in methods:
-            row[f"{name}_tokens_per_second"] = tokens / seconds[name]
+            row[f"{name}_tokens_per_second"] = speed[name]
             if name == "plain":
                 continue
             stats = outputs[name].eagle3_stats
             shape = stats.settings
             row[name] = {
-                "speedup": seconds["plain"] / seconds[name],
+                "speedup": speed[name] / speed["plain"],
                 "tree": f"depth {shape.depth}, top-k {shape.top_k}, {shape.total_tokens} tokens" if shape else "plain",
                 "tau": stats.mean_acceptance_length if shape else 1.0,
-                "identical_rows": sum(torch.equal(a, b) for a, b in zip(outputs[name].sequences, outputs["plain"])),
+                "identical_rows": sum(torch.equal(row, plain_row) for row, plain_row
+                                      in zip(outputs[name].sequences, outputs["plain"].sequences)),
                 "shape_choice": stats.shape_choice,
             }
         rows.append(row)
