@@ -1,6 +1,7 @@
 """The calibration checked against the call itself (`online.OnlineCheck`): a shape slower than plain decoding is
-dropped within the call, after a bounded number of cycles, and cached costs that proved wrong are corrected toward
-the call's own, so that the next call measures nothing. Cycle times are injected, never measured."""
+dropped within the call, after a bounded number of cycles, and tried again later in it; cached costs that proved wrong
+are corrected toward the call's own, so that the next call measures nothing. Cycle times are injected, never
+measured."""
 
 import copy
 import json
@@ -10,6 +11,7 @@ import pytest
 import torch
 from test_calibration import PROMPT, Measure, auto_draft, cache, profile  # noqa: F401  (fixtures)
 
+from hf_eagle3.decoding import loop
 from hf_eagle3.decoding.calibration import (
     MachineCosts,
     TreeChoice,
@@ -40,10 +42,40 @@ def test_a_shape_slower_than_plain_decoding_is_dropped_after_a_trial_of_plain_de
     assert decisions[8] is Decision.TRIAL and check.speedup == pytest.approx(0.75)
     # the trial: 9 plain cycles, the first not counted, at the calibrated step (the draft's upkeep not counted)
     trial = [check.observe(plain_cycle(0.010), 1.0) for _ in range(9)]
-    assert trial == [Decision.TRIAL] * 8 + [Decision.PLAIN] and check.settled
+    assert trial == [Decision.TRIAL] * 8 + [Decision.PLAIN] and not check.settled
     assert check.measured_plain_step == pytest.approx(0.010) and check.measured_speedup == pytest.approx(0.75)
-    assert check.observe(cycle(0.001), 30.0) is Decision.PLAIN  # decided for the rest of the call
     assert not check.costs_disproved  # the cycles cost what was predicted: only τ was lower than the profile's
+    # plainly for `retry_after` tokens, then the tree again
+    plainly = [check.observe(plain_cycle(0.010), 1.0) for _ in range(check.retry_after)]
+    assert plainly == [Decision.PLAIN] * (check.retry_after - 1) + [Decision.KEEP] and check.retries == 1
+
+
+def retried(check: OnlineCheck, tree_seconds: float, tokens: float) -> list[Decision]:
+    """Take `check` through a losing start and its trial (plain decoding at 10 ms a token) to plain decoding and its
+    first retry; the retry's cycles take `tree_seconds` for `tokens` each. The decisions of the retry's cycles."""
+    while check.observe(cycle(0.020), 1.5) is Decision.KEEP:
+        pass
+    while check.observe(plain_cycle(0.010), 1.0) is not Decision.KEEP:
+        pass
+    return [check.observe(cycle(tree_seconds), tokens) for _ in range(check.min_cycles + 1)]
+
+
+def test_a_call_whose_tree_got_faster_later_in_the_answer_goes_back_to_it_for_good():
+    check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020)
+    # the answer's start drafted badly (1.5 tokens a cycle), its body well: 2.5 tokens in 20 ms, 1.25x plain
+    decisions = retried(check, 0.020, 2.5)
+    assert decisions == [Decision.KEEP] * 9 and check.settled and check.measured_speedup == pytest.approx(1.25)
+    assert check.observe(cycle(1.0), 1.0) is Decision.KEEP  # decided for the rest of the call
+
+
+def test_a_retry_that_still_loses_goes_on_plainly_and_waits_twice_as_long_for_the_next():
+    check = OnlineCheck(plain_step=0.010, predicted_cycle=0.020, retry_after=16)
+    decisions = retried(check, 0.020, 1.6)  # 0.8x plain
+    assert decisions == [Decision.KEEP] * 8 + [Decision.PLAIN] and not check.settled and check.retry_after == 32
+    plainly = [check.observe(plain_cycle(0.010), 1.0) for _ in range(32)]
+    assert plainly == [Decision.PLAIN] * 31 + [Decision.KEEP] and check.retries == 2
+    # the costs were checked once, at the start: a retry sets the tree against plain decoding only
+    assert check.measured_cycle == pytest.approx(0.020)
 
 
 def test_a_tree_that_loses_only_to_a_step_calibrated_on_a_quieter_machine_goes_back_after_the_trial():
@@ -56,6 +88,7 @@ def test_a_tree_that_loses_only_to_a_step_calibrated_on_a_quieter_machine_goes_b
         pass
     assert check.decision is Decision.KEEP and check.settled and check.measured_speedup == pytest.approx(1.2)
     assert check.observe(cycle(1.0), 1.0) is Decision.KEEP  # decided for the rest of the call
+    assert check.retries == 0
 
 
 def test_a_shape_faster_than_plain_decoding_is_kept():
@@ -137,6 +170,35 @@ def test_a_call_that_finds_its_tree_faster_than_plain_decoding_measured_in_the_c
         auto_draft), tree_depth=stats.settings.depth, tree_top_k=stats.settings.top_k,
         tree_total_tokens=stats.settings.total_tokens, return_dict_in_generate=True).eagle3_stats
     assert sum(lengths[18:]) / len(lengths[18:]) >= 0.8 * untried.mean_acceptance_length
+
+
+def test_a_call_that_went_on_plainly_tries_its_tree_again_with_the_draft_caught_up(
+        cache, llama_target, auto_draft, monkeypatch):  # noqa: F811
+    calibrate(llama_target, auto_draft, measure=Measure(plain_step=1e-4, verify=5e-5))
+    # the verdicts injected: plain decoding faster at the trial, the tree at the retry, which comes after 8 tokens
+    monkeypatch.setattr(OnlineCheck, "measured_speedup", property(lambda check: 2.0 if check.retries else 0.5))
+    online_check = loop.online_check
+
+    def retrying_soon(settings):
+        check = online_check(settings)
+        return check and replace(check, retry_after=8)
+
+    monkeypatch.setattr(loop, "online_check", retrying_soon)
+    expected = llama_target.generate(PROMPT, max_new_tokens=96, do_sample=False)
+    output = llama_target.generate(PROMPT, max_new_tokens=96, do_sample=False,
+                                   assistant_model=copy.deepcopy(auto_draft), return_dict_in_generate=True)
+    assert torch.equal(output.sequences, expected)
+    stats = output.eagle3_stats
+    assert "so it went on plainly (trying the tree again after 8 tokens)" in stats.shape_choice
+    assert stats.shape_choice.endswith("the tree tried again (1), its tokens came 2.00x as fast as plain decoding's, "
+                                       "so it went back to the tree")
+    # 9 cycles with the tree, 9 of the trial, 8 plainly; then the tree, its draft told the 17 plain tokens at once
+    lengths = stats.acceptance_lengths
+    assert set(lengths[9:26]) == {1} and max(lengths[26:]) > 1
+    untried = llama_target.generate(PROMPT, max_new_tokens=96, do_sample=False, assistant_model=copy.deepcopy(
+        auto_draft), tree_depth=stats.settings.depth, tree_top_k=stats.settings.top_k,
+        tree_total_tokens=stats.settings.total_tokens, return_dict_in_generate=True).eagle3_stats
+    assert sum(lengths[26:]) / len(lengths[26:]) >= 0.8 * untried.mean_acceptance_length
 
 
 def test_a_call_after_one_that_disproved_the_costs_measures_nothing(cache, llama_target, auto_draft):  # noqa: F811

@@ -243,8 +243,8 @@ def _run(args: argparse.Namespace) -> None:
         print(f"  {run['text'][:160].strip()!r}{'...' if len(run['text']) > 160 else ''}")
         print(f"  plain generate (tokens/s): {plain}; EAGLE-3 ({chosen}): {run['eagle_tokens_per_second']:.1f}; "
               f"speedup {run['speedup']:.2f}x over plain {fastest}; τ {run['tau']:.2f}"
-              + ("; the shape lost to plain decoding here, so the call went on plainly" if run["switched_to_plain"]
-                 else ""))
+              + ("; the tree lost to plain decoding here, so the call decoded plainly for a part of it"
+                 if run["switched_to_plain"] else ""))
         print(f"  {_describe_comparison(run['comparison'], chosen)}")
     print()
     prediction, measured = result["prediction"], result["speedup_same_dtype"]

@@ -244,20 +244,43 @@ def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds:
     """Count the cycle (its parts' seconds). Once the cycles cost other than predicted, or the call's speed falls short
     of plain decoding's calibrated speed, every row decodes plainly for a trial (its proposer paused, kept current);
     after it, the record is corrected toward what the call measured, and every row goes on with the faster of the
-    two. Returns the check while it goes on, `None` once it has decided for the call."""
+    two; decoding plainly, it tries the tree again now and then (`online`). Returns the check while it goes on, `None`
+    once the call keeps the tree to its end."""
     tokens = sum(accepted.path.numel() for accepted in acceptances) / len(acceptances)
     before = online.decision
     decision = online.observe(part_seconds, tokens)
-    if decision is Decision.TRIAL and before is Decision.KEEP:
+    if decision is before and not online.settled:
+        return online
+    if before is Decision.KEEP and decision is Decision.TRIAL:
         why = (f"its cycles cost {1000 * online.measured_cycle:.1f} ms here, not {1000 * online.predicted_cycle:.1f} ms"
                if online.costs_disproved else f"it ran at {online.speedup:.2f}x plain decoding's calibrated speed")
         run.stats.shape_choice += (f"; {why} after {online.cycles} cycles, so it decoded plainly for "
                                    f"{online.min_cycles + 1} cycles to measure plain decoding here")
-        for row in state.rows:
-            row.proposer = PlainProposer(paused=row.proposer)
+        _pause(state)
         return online
-    if not online.settled:
+    if before is Decision.PLAIN:  # a retry starts: the draft catches up on the tokens decoded plainly
+        _resume(run, state)
         return online
+    if before is Decision.TRIAL:
+        _note_trial(run, online)
+    else:
+        run.stats.shape_choice += (f"; the tree tried again ({online.retries}), its tokens came "
+                                   f"{online.measured_speedup:.2f}x as fast as plain decoding's")
+    if decision is Decision.KEEP:
+        run.stats.shape_choice += ", so it went back to the tree"
+        if before is Decision.TRIAL:
+            _resume(run, state)
+        return None
+    run.stats.shape_choice += f", so it went on plainly (trying the tree again after {online.retry_after} tokens)"
+    logger.warning_once(f"{run.settings.shape_choice}; slower than plain decoding in a call, which went on plainly "
+                        "(its statistics' shape_choice says by how much)")
+    if before is Decision.KEEP:
+        _pause(state)
+    return online
+
+
+def _note_trial(run: Run, online: OnlineCheck) -> None:
+    """What the trial measured, in the call's statistics, and the record corrected toward it."""
     choice = run.settings.choice
     corrected = correct_calibration(choice, online.measured_cycle, online.measured_plain_step)
     run.stats.shape_choice += (f"; plain decoding took {1000 * online.measured_plain_step:.1f} ms a token here, the "
@@ -267,17 +290,19 @@ def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds:
         run.stats.shape_choice += (
             f" (the cached costs corrected halfway toward this call's: the machine's speed {old.speed_scale:.2f} -> "
             f"{new.speed_scale:.2f}, the cycles against plain decoding {old.cycle_scale:.2f} -> {new.cycle_scale:.2f})")
-    if decision is Decision.KEEP:
-        run.stats.shape_choice += ", so it went back to the tree"
-        for row in state.rows:
-            row.proposer = row.proposer.paused
-        return None
-    run.stats.shape_choice += ", so it went on plainly"
-    logger.warning_once(f"{run.settings.shape_choice}; slower than plain decoding in a call, which went on plainly "
-                        "(its statistics' shape_choice says by how much)")
+
+
+def _pause(state: BatchState) -> None:
+    """Every row decodes plainly, its proposer paused (told later what the target verified meanwhile)."""
     for row in state.rows:
-        row.proposer = PlainProposer()
-    return None
+        row.proposer = PlainProposer(paused=row.proposer)
+
+
+def _resume(run: Run, state: BatchState) -> None:
+    """Every row's paused proposer back, caught up on what the target verified meanwhile."""
+    with run.stopwatch.time("draft_seconds"):
+        for row in state.rows:
+            row.proposer = row.proposer.resumed()
 
 
 def _finish(run: Run, rows: list[Row], cache, generation_config, start_time: float):

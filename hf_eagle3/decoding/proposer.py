@@ -4,8 +4,8 @@ As transformers' `CandidateGenerator` names `get_candidates` / `update_candidate
 a tree to verify (`propose`) and told what the target verified (`accepted`). `Eagle3Proposer` drafts the tree with
 the EAGLE-3 draft (`Eagle3Drafter`) and merges the context's n-gram continuation into it (`ngram`), learning how
 often continuations of each match length are accepted. `PlainProposer` proposes no candidate: verifying its tree is
-one plain decoding step (where a call found its tree slower than plain decoding, `online`, or tries plain decoding
-for a few cycles, its EAGLE-3 proposer paused).
+one plain decoding step (where a call tries plain decoding for a few cycles, or found its tree slower than plain
+decoding, `online`: its EAGLE-3 proposer paused).
 """
 
 from dataclasses import dataclass
@@ -79,12 +79,13 @@ class Eagle3Proposer:
 
 
 class PlainProposer:
-    """No candidates: the tree is the root alone, and verifying it is one plain decoding step. `paused`: a proposer
-    kept current meanwhile (told what the target verified, asked for nothing), for a call that decodes plainly for a
-    trial and may go back to it."""
+    """No candidates: the tree is the root alone, and verifying it is one plain decoding step. It stands in for the
+    `paused` proposer of a call that decodes plainly for a while and may go back to it: what the target verifies
+    meanwhile is kept, and told to the paused proposer in one go when it resumes (`resumed`)."""
 
-    def __init__(self, paused: Proposer | None = None):
+    def __init__(self, paused: Proposer):
         self.paused = paused
+        self.pending: list[Verified] = []
 
     def propose(self, tokens: torch.Tensor, root_position: int) -> DraftProposal:
         root, empty = tokens[-1:], tokens.new_zeros(0)
@@ -96,5 +97,13 @@ class PlainProposer:
 
     def accepted(self, verified: Verified, proposal: DraftProposal | None = None,
                  path: torch.Tensor | None = None) -> None:
-        if self.paused is not None:
-            self.paused.accepted(verified)
+        self.pending.append(verified)
+
+    def resumed(self) -> Proposer:
+        """The paused proposer, told what the target verified since it was paused (one draft forward)."""
+        if self.pending:
+            pending, self.pending = self.pending, []
+            self.paused.accepted(Verified(torch.cat([verified.positions for verified in pending]),
+                                          torch.cat([verified.features for verified in pending]),
+                                          torch.cat([verified.next_tokens for verified in pending])))
+        return self.paused
