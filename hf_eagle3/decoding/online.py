@@ -16,11 +16,11 @@ with it, without measuring anything again.
 
 A call that went on plainly tries the tree again after `retry_after` plain tokens, and again after twice as many each
 time the tree still loses: τ changes along an answer (a title or a list's first lines can be hard to draft, what
-follows them easy), and eight cycles at its start must not decide a long call. A retry is `min_cycles + 1` tree
-cycles (the first, which catches the draft up on the tokens decoded plainly, not counted) whose speed is set against
-the trial's plain decoding: faster, the call keeps the tree to its end; slower, it goes on plainly. So a call spends at
-most `min_cycles + 1` cycles at the losing speed before the trial, and as many per retry, one retry per doubling of
-its length: on a 1,000-token answer, five.
+follows them easy), and eight cycles at its start must not decide a long call. A retry catches the draft up on the
+tokens decoded plainly (one draft forward), then runs `min_cycles + 1` tree cycles (the first not counted) whose
+speed is set against the trial's plain decoding: faster, the call keeps the tree to its end; slower, it goes on
+plainly. So a call spends at most `min_cycles + 1` cycles at the losing speed before the trial, and as many per
+retry, one retry per doubling of its length: on a 1,000-token answer, five.
 """
 
 import enum
