@@ -297,3 +297,21 @@ def test_a_compiled_auto_method_s_prediction_is_checked_against_compiled_plain_d
     assert "1.00x (+0 % against 1.00x over compiled)" in markdown_table({"set-a": {"auto+compiled": entry}})
     without_compiled = summarise(records[::2], methods[::2], True, plainly)["summary"]["set-a"]["auto+compiled"]
     assert "predicted_speedup" not in without_compiled  # nothing on its path to check the prediction against
+
+
+def test_the_plain_steps_of_a_call_the_online_check_sent_on_plainly_are_not_counted_as_tree_cycles():
+    methods = methods_from_names(["plain", "auto"], 3, 3, 8)
+    eagle3 = {"acceptance_lengths": [3, 1, 1, 2], "plain_cycles": [1, 2], "shape": "2x4x8", "depth": 2,
+              "prefill_seconds": 0.1, "draft_seconds": 0.1, "verify_seconds": 0.3, "other_seconds": 0.0}
+    records = [{"set": "set-a", "prompt": 0, "method": method, "seconds": 1.0, "new_tokens": 8, "prompt_tokens": 7,
+                "identical_to_plain": True} | (eagle3 if method == "auto" else {}) for method in ("plain", "auto")]
+    entry = summarise(records, methods, True)["summary"]["set-a"]["auto"]
+    assert entry["tau"] == 2.5 and entry["plain_cycles"] == 2
+    assert entry["n_alpha"] == [1.0, 0.5] and entry["accepted_length_histogram"] == {2: 1, 3: 1}
+    assert entry["cycle_ms"]["verify"] == pytest.approx(75.0)  # per target forward, the plain steps included
+    # the cycles emit tokens 1-7 (0 is the prefill's): the tree cycles end on 3 and 7, the plain ones on 4 and 5
+    new_tokens = torch.arange(8)
+    drafted = torch.ones(8, dtype=torch.bool)
+    drafted[[4, 5]] = False  # the plain steps' tokens
+    assert cycles_ending_outside_vocabulary(new_tokens, [3, 1, 1, 2], drafted, [1, 2]) == 0
+    assert cycles_ending_outside_vocabulary(new_tokens, [3, 1, 1, 2], drafted) == 2

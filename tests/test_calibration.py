@@ -165,7 +165,7 @@ def test_auto_decodes_with_the_predicted_fastest_shape(cache, llama_target, auto
     assert auto_draft.generation_stats.settings == choice.settings and auto_draft.generation_stats.num_cycles > 0
 
 
-def test_a_call_s_predicted_speedup_is_diluted_by_its_prefill_and_reaches_the_decoding_one_for_long_answers(
+def test_a_call_s_predicted_speedup_is_diluted_by_its_prefill_and_plain_tokens_and_reaches_the_decoding_one(
         cache, llama_target, auto_draft):
     calibrate(llama_target, auto_draft, measure=Measure(plain_step=0.05, verify=0.04, draft=0.01))
     choice = choose_tree(llama_target, auto_draft)
@@ -177,6 +177,10 @@ def test_a_call_s_predicted_speedup_is_diluted_by_its_prefill_and_reaches_the_de
     assert choice.call_speedup(65, prefill_seconds=0.5) == pytest.approx((0.5 + 64 * 0.05) / (0.5 + 64 * 0.05 / tau))
     assert choice.call_speedup(65, prefill_seconds=0.5, tau=1.0) == pytest.approx(1.0)  # at τ 1 a cycle is a step
     assert 1.0 < choice.call_speedup(65, 0.5) < choice.call_speedup(100_000, 0.5) < choice.predicted_speedup
+    # a call that decoded 32 of its tokens plainly (the online check found its tree slower) paid a step for each
+    assert choice.call_speedup(65, 0.5, tau, plain_tokens=32) == pytest.approx(
+        (0.5 + 64 * 0.05) / (0.5 + 32 * 0.05 / tau + 32 * 0.05))
+    assert choice.call_speedup(65, 0.5, tau, plain_tokens=64) == pytest.approx(1.0)
 
 
 def test_a_prediction_for_prompts_of_one_set_reads_the_profile_s_tau_for_that_set(cache, llama_target, auto_draft):

@@ -12,6 +12,7 @@ from hf_eagle3.commands.demo import (
     _calibrated_cycle_ms,
     _comparison,
     _describe_comparison,
+    _fastest_plain_by_set,
     _median_split,
     demo_prompts,
 )
@@ -72,3 +73,13 @@ def test_the_demo_compares_each_part_of_a_cycle_with_the_calibration_of_the_shap
     assert _median_split([None, {"draft": 1, "verify": 5, "other": 1}, {"draft": 3, "verify": 7, "other": 2},
                           {"draft": 2, "verify": 6, "other": 9}]) == {"draft": 2, "verify": 6, "other": 2}
     assert _median_split([None]) is None
+
+
+def test_each_prompt_set_is_compared_with_its_own_fastest_plain_decoding():
+    # without bf16 units, bfloat16 decodes short chat prompts faster and prefills long code prompts slower
+    runs = [{"set": "mt-bench", "plain_tokens_per_second": {"float32": 13.8, "bfloat16": 16.2}},
+            {"set": "mt-bench", "plain_tokens_per_second": {"float32": 14.0, "bfloat16": 15.8}},
+            {"set": "mt-bench", "plain_tokens_per_second": {"float32": 12.7, "bfloat16": 9.6}},
+            {"set": "humaneval", "plain_tokens_per_second": {"float32": 13.5, "bfloat16": 10.8}},
+            {"set": "humaneval", "plain_tokens_per_second": {"float32": 12.5, "bfloat16": 8.5}}]
+    assert _fastest_plain_by_set(runs) == {"mt-bench": "bfloat16", "humaneval": "float32"}

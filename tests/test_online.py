@@ -195,6 +195,10 @@ def test_a_call_that_went_on_plainly_tries_its_tree_again_with_the_draft_caught_
     # 9 cycles with the tree, 9 of the trial, 8 plainly; then the tree, its draft told the 17 plain tokens at once
     lengths = stats.acceptance_lengths
     assert set(lengths[9:26]) == {1} and max(lengths[26:]) > 1
+    # the plain steps are told apart: τ of the trees leaves them out
+    assert stats.plain_cycles == list(range(9, 26))
+    tree_lengths = lengths[:9] + lengths[26:]
+    assert stats.mean_tree_acceptance_length == pytest.approx(sum(tree_lengths) / len(tree_lengths))
     untried = llama_target.generate(PROMPT, max_new_tokens=96, do_sample=False, assistant_model=copy.deepcopy(
         auto_draft), tree_depth=stats.settings.depth, tree_top_k=stats.settings.top_k,
         tree_total_tokens=stats.settings.total_tokens, return_dict_in_generate=True).eagle3_stats

@@ -156,14 +156,16 @@ def acceptance_by_position(acceptance_lengths: list[int], depth: int) -> list[fl
 
 
 def cycles_ending_outside_vocabulary(new_tokens: torch.Tensor, acceptance_lengths: list[int],
-                                     drafted: torch.Tensor) -> int:
-    """How many cycles ended on a token the draft cannot propose: the target's own token, a cycle's last, outside the
-    draft vocabulary (`drafted`: the draft's `t2d`). `new_tokens` (`[T]`) are the call's; the cycles emitted all but
-    the prefill's first."""
+                                     drafted: torch.Tensor, plain_cycles: list[int] = ()) -> int:
+    """How many tree cycles ended on a token the draft cannot propose: the target's own token, a cycle's last, outside
+    the draft vocabulary (`drafted`: the draft's `t2d`). `new_tokens` (`[T]`) are the call's; the cycles emitted all
+    but the prefill's first; `plain_cycles` (indices) drafted nothing and do not count."""
     if not acceptance_lengths:
         return 0
     ends = torch.tensor(acceptance_lengths).cumsum(0) - 1 + (new_tokens.numel() - sum(acceptance_lengths))
-    return int((~drafted[new_tokens[ends].to(drafted.device)]).sum())
+    drafting = torch.ones(len(acceptance_lengths), dtype=torch.bool)
+    drafting[list(plain_cycles)] = False
+    return int((~drafted[new_tokens[ends[drafting]].to(drafted.device)]).sum())
 
 
 def first_divergence(plain_output, output, prompt_length: int) -> dict:
@@ -265,8 +267,10 @@ def run_benchmark(
                         call_choices[set_name, index, method.name] = run.choice
                     record.update(
                         acceptance_lengths=run.acceptance_lengths,
+                        plain_cycles=run.plain_cycles,
                         ends_outside_vocabulary=cycles_ending_outside_vocabulary(
-                            sequences[method.name][0, input_ids.shape[1]:], run.acceptance_lengths, draft.t2d),
+                            sequences[method.name][0, input_ids.shape[1]:], run.acceptance_lengths, draft.t2d,
+                            run.plain_cycles),
                         prefill_seconds=run.prefill_seconds,
                         draft_seconds=run.draft_seconds,
                         verify_seconds=run.verify_seconds,
@@ -290,10 +294,11 @@ class Call(NamedTuple):
 
     new_tokens: int
     prefill_seconds: float
-    tau: float  # measured
+    tau: float  # measured over the cycles that verified a drafted tree
     prompt_tokens: int
     prompt_set: str | None  # the set the prompt came from: the profile's τ for it is predicted, where it has one
     choice: TreeChoice | None = None  # the one the call decoded with (`Eagle3GenerationStats.choice`), where known
+    plain_tokens: int = 0  # decoded plainly, one a target forward, where the online check found the tree slower
 
 
 def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Call]) -> dict:
@@ -302,7 +307,8 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Ca
     call decoded with (`choice` for a call that does not say: a call chooses for its own context, and after the online
     check corrected the record, from the corrected costs), the speedup predicted for its answer length after its
     prefill, at its context (`TreeChoice.call_speedup`), with the acceptance profile's τ for the call's prompt set
-    (`ShapePrediction.tau_for`) and with the call's own; the medians over the calls, and the error of each."""
+    (`ShapePrediction.tau_for`), and with the call's own τ and the tokens it decoded plainly; the medians over the
+    calls, and the error of each."""
     choices = [call.choice or choice for call in calls]
     profile_taus = [call_choice.prediction.tau_for(call.prompt_set) if call_choice.prediction is not None else 1.0
                     for call, call_choice in zip(calls, choices)]
@@ -310,7 +316,7 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Ca
         call_choice.call_speedup(call.new_tokens, call.prefill_seconds, tau, call.prompt_tokens)
         for call, call_choice, tau in zip(calls, choices, profile_taus))
     at_measured_tau = statistics.median(
-        call_choice.call_speedup(call.new_tokens, call.prefill_seconds, call.tau, call.prompt_tokens)
+        call_choice.call_speedup(call.new_tokens, call.prefill_seconds, call.tau, call.prompt_tokens, call.plain_tokens)
         for call, call_choice in zip(calls, choices))
     cycles = [1000 * call_choice.prediction.cycle_seconds for call_choice in choices if call_choice.prediction]
     return {
@@ -325,6 +331,12 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Ca
         "prediction_error": predicted / measured_speedup - 1,
         "cost_model_error": at_measured_tau / measured_speedup - 1,
     }
+
+
+def _tree_acceptance_lengths(record: dict) -> list[int]:
+    """A timed call's acceptance lengths of the cycles that verified a drafted tree."""
+    plain = set(record.get("plain_cycles", []))
+    return [length for cycle, length in enumerate(record["acceptance_lengths"]) if cycle not in plain]
 
 
 def _tokens_per_second(record: dict) -> float:
@@ -354,17 +366,21 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 "near_tie_mismatches": [r["prompt"] for r in rows if r.get("divergence", {}).get("near_tie")],
             }
             if method.is_eagle3:
-                lengths = [length for r in rows for length in r["acceptance_lengths"]]
+                # τ, n-α and the rest over the cycles that verified a drafted tree: not the plain decoding steps of a
+                # call the online check sent on plainly (records written before they were told apart hold none)
+                tree_lengths = {id(r): _tree_acceptance_lengths(r) for r in rows}
+                lengths = [length for r in rows for length in tree_lengths[id(r)]]
                 cycles = len(lengths)
                 entry["shapes"] = sorted({r["shape"] for r in rows})
                 # tree_shape="auto" decoded plainly: one token per target forward
                 entry["tau"] = sum(lengths) / cycles if cycles else 1.0
+                entry["plain_cycles"] = sum(len(r.get("plain_cycles", [])) for r in rows)
                 baseline = speed_of[method.path_baseline]
                 if method.name in choices and baseline:
                     calls = [Call(r["new_tokens"], r["prefill_seconds"],
-                                  sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
-                                  if r["acceptance_lengths"] else 1.0, r["prompt_tokens"], set_name,
-                                  call_choices.get((set_name, r["prompt"], method.name))) for r in rows]
+                                  sum(tree_lengths[id(r)]) / len(tree_lengths[id(r)]) if tree_lengths[id(r)] else 1.0,
+                                  r["prompt_tokens"], set_name, call_choices.get((set_name, r["prompt"], method.name)),
+                                  len(r.get("plain_cycles", []))) for r in rows]
                     measured = statistics.median(_tokens_per_second(r) / baseline[r["prompt"]] for r in rows)
                     entry.update(prediction_entry(choices[method.name], measured, calls),
                                  prediction_baseline=method.path_baseline)
@@ -378,8 +394,9 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                     # records written before the field existed hold no count
                     ends_outside_vocabulary=sum(r["ends_outside_vocabulary"] for r in rows) / cycles
                     if all("ends_outside_vocabulary" in r for r in rows) else None,
-                    cycle_ms={part: 1000 * sum(r[f"{part}_seconds"] for r in rows) / cycles
-                              for part in CYCLE_PARTS},
+                    # over every target forward after the prefill, plain decoding steps included
+                    cycle_ms={part: 1000 * sum(r[f"{part}_seconds"] for r in rows)
+                              / sum(len(r["acceptance_lengths"]) for r in rows) for part in CYCLE_PARTS},
                 )
             summary.setdefault(set_name, {})[method.name] = entry
     return {"summary": summary, "records": records}
@@ -394,17 +411,20 @@ TABLE_LEGEND = """\
   where it holds one, over the predicted cycle time), and how far it is from the measured speedup. The calibration
   predicts the speedup over plain decoding on its own path: for `+compiled`, over `compiled` (the cell then gives that
   measured speedup too; without `compiled` in the run there is no prediction to check).
-- **at measured τ**: the speedup the predicted cycle time gives at the τ measured on the set: its error is the cost
-  model's alone, the rest of the error above is the set's τ differing from the profile's.
+- **at measured τ**: the speedup the predicted costs give at the τ each call measured, with the tokens it decoded
+  plainly (where the online check found the tree slower) at the predicted decode step: its error is the cost model's
+  alone, the rest of the error above is the set's τ differing from the profile's.
 - **tokens/s**: all new tokens of the set / all its seconds, so long answers weigh more; the ratio of two methods'
   tokens/s can therefore differ from their speedup, which weighs every prompt alike.
-- **τ**: tokens per target forward (accepted drafted tokens + 1), over all cycles.
-- **n-α**: the share of cycles whose n-th drafted token (0: the first) is accepted, among those that accepted 0..n-1.
+- **τ**: tokens per target forward (accepted drafted tokens + 1), over the cycles that verified a drafted tree: not
+  the plain decoding steps of a call the online check sent on plainly.
+- **n-α**: the share of those cycles whose n-th drafted token (0: the first) is accepted, among those that accepted
+  0..n-1.
 - **ends outside vocab.**: the share of cycles that ended on a token outside the draft vocabulary, which the draft
   cannot propose (only a context n-gram can): the cycles a larger `--draft-vocab-size` gives a chance, if its new rows
   learn enough (docs/training.md).
 - **draft / verify / other ms per cycle**: where a cycle's time goes (drafting the tree, the target's verification
-  forward, the rest).
+  forward, the rest), per target forward after the prefill, plain decoding steps included.
 - **greedy mismatches (near-ties)**: prompts whose greedy output differs from plain decoding's (those where the two
   computations disagree by less than the dtype's rounding on the logit gap of the two tokens).
 """

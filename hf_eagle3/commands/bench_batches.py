@@ -86,7 +86,7 @@ def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens
             row[name] = {
                 "speedup": speed[name] / speed["plain"],
                 "tree": f"depth {shape.depth}, top-k {shape.top_k}, {shape.total_tokens} tokens" if shape else "plain",
-                "tau": stats.mean_acceptance_length if shape else 1.0,
+                "tau": stats.mean_tree_acceptance_length if shape else 1.0,
                 "identical_rows": sum(torch.equal(row, plain_row) for row, plain_row
                                       in zip(outputs[name].sequences, outputs["plain"].sequences)),
                 "shape_choice": stats.shape_choice,

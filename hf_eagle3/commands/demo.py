@@ -9,14 +9,15 @@ decoding in every candidate dtype, interleaved, after a warm-up of every method 
 The prompts come from the sets the README reports on, `DEMO_PROMPTS_PER_SET` of each, spread over them
 (`prompts.spread`): the first question of every MT-bench category (chat: writing to humanities) and HumanEval problems
 0, 20, ..., 140 (code). The acceptance profile the prediction reads was measured on other prompts spread over the same
-sets (`prompts.calibration_prompts`). The speedup line is the median over them. Greedy outputs are compared with plain
-decoding in the same dtype (`bench.first_divergence`): in reduced precision a prompt whose output parts from plain
-decoding is reported with where, how many tokens differ from there, and at what logit gap (a near-tie when the two
-computations disagree by at most `bench.NEAR_TIE_LOGITS`). First the linear layers of both models are laid out as
-`hf_eagle3.optimize` measures fastest on this machine, for plain decoding and EAGLE-3 alike, so that both are as fast
-as this machine makes them (`--no-cpu-layout`: as loaded). Last it shows where the time went: each part
-of a cycle (drafting, verification, the rest) and plain decoding's step per token, measured, beside what the
-calibration had for them, so that a prediction that missed names the cost it got wrong.
+sets (`prompts.calibration_prompts`). The speedup line is the median over them, each against the faster plain
+decoding of its set (on a CPU without bf16 units, bfloat16 can be the faster for chat and the slower for code).
+Greedy outputs are compared with plain decoding in the same dtype (`bench.first_divergence`): in reduced precision a
+prompt whose output parts from plain decoding is reported with where, how many tokens differ from there, and at what
+logit gap (a near-tie when the two computations disagree by at most `bench.NEAR_TIE_LOGITS`). First the linear
+layers of both models are laid out as `hf_eagle3.optimize` measures fastest on this machine, for plain decoding and
+EAGLE-3 alike, so that both are as fast as this machine makes them (`--no-cpu-layout`: as loaded). Last it shows
+where the time went: each part of a cycle (drafting, verification, the rest) and plain decoding's step per token,
+measured, beside what the calibration had for them, so that a prediction that missed names the cost it got wrong.
 
 Its cost, counted in target forwards (about 50-90 ms each for SmolLM2 on two CPU cores): per dtype a calibration
 (about twenty seconds), then (prompts x repetitions + 1 warm-up) x (max_new_tokens per plain dtype + about
@@ -79,6 +80,19 @@ def _calibrated_cycle_ms(costs, shape) -> dict | None:
     return {part: 1000 * seconds for part, seconds in costs.cycle_parts(shape).items()}
 
 
+def _fastest_plain_by_set(runs: list[dict]) -> dict[str, str]:
+    """For each prompt set of `runs`, the dtype whose plain decoding has the highest median tokens/s over the set's
+    prompts. Per set, because the answer can differ: without bf16 units, bfloat16 decodes a token faster than float32
+    (half the bytes to read) and prefills a long prompt slower, so it can be the faster plain decoding for short chat
+    prompts and the slower for long code prompts, and a user picks the faster one for their own prompts."""
+    def median_tokens_per_second(prompt_set: str, name: str) -> float:
+        return statistics.median(run["plain_tokens_per_second"][name] for run in runs if run["set"] == prompt_set)
+
+    dtypes = runs[0]["plain_tokens_per_second"]
+    return {prompt_set: max(dtypes, key=lambda name: median_tokens_per_second(prompt_set, name))
+            for prompt_set in dict.fromkeys(run["set"] for run in runs)}
+
+
 def run_demo(
     prompts: list[tuple[str, str]], max_new_tokens: int, dtypes: list[str], repetitions: int, threads: int | None,
     exact_attention: bool = False, cpu_layout: bool = True,
@@ -86,7 +100,7 @@ def run_demo(
     """Calibrate each dtype of `dtypes`, decode with EAGLE-3 in the one predicted fastest, and time it against plain
     decoding in every dtype of `dtypes` on each `(set, prompt)` (interleaved, after a warm-up of every method on the
     first prompt). Returns the choices, the per-prompt measurements and the medians (speedups are against the fastest
-    plain decoding measured)."""
+    plain decoding measured on the prompt's set)."""
     if threads:
         torch.set_num_threads(threads)
     models, choices, layouts = {}, {}, {}
@@ -121,7 +135,7 @@ def run_demo(
     runs = []
     for prompt_set, text, input_ids in encoded:
         plain_seconds, plain_outputs, eagle_seconds, prefills = {name: [] for name in dtypes}, {}, [], []
-        taus, cycle_ms, switched = [], [], False
+        taus, plain_tokens, cycle_ms, switched = [], [], [], False
         for _ in range(repetitions):  # interleaved, so that machine noise hits every method alike
             for name in dtypes:
                 seconds, plain_outputs[name] = _timed(plain, name, input_ids)
@@ -130,7 +144,8 @@ def run_demo(
             eagle_seconds.append(seconds)
             stats = eagle_output.eagle3_stats
             prefills.append(stats.prefill_seconds)
-            taus.append(stats.mean_acceptance_length if stats.settings else 1.0)
+            taus.append(stats.mean_tree_acceptance_length if stats.settings else 1.0)  # of its drafted trees
+            plain_tokens.append(len(stats.plain_cycles))  # decoded plainly, where the tree lost to plain decoding
             switched |= "went on plainly" in (stats.shape_choice or "")
             if stats.num_cycles:
                 cycle_ms.append({part: 1000 * getattr(stats, f"{part}_seconds") / stats.num_cycles
@@ -151,6 +166,7 @@ def run_demo(
             "eagle_tokens_per_second": new_tokens / statistics.median(eagle_seconds),
             "prefill_seconds": statistics.median(prefills),
             "tau": statistics.median(taus),
+            "plain_tokens": statistics.median(plain_tokens),
             "cycle_ms": _median_split(cycle_ms),
             # plain decoding's step per further token: its call less EAGLE-3's prefill (the same target forward;
             # the draft's share of it is a few ms)
@@ -162,14 +178,14 @@ def run_demo(
             if choice.costs else None,
             "switched_to_plain": switched,
         })
-    fastest_plain = max(dtypes, key=lambda name: statistics.median(run["plain_tokens_per_second"][name]
-                                                                   for run in runs))
+    fastest_plain = _fastest_plain_by_set(runs)
     for run in runs:
         # tokens/s, not times: in bfloat16 a method can part at a near-tie and end its answer at another length
-        run["speedup"] = run["eagle_tokens_per_second"] / run["plain_tokens_per_second"][fastest_plain]
+        run["fastest_plain_dtype"] = fastest_plain[run["set"]]
+        run["speedup"] = run["eagle_tokens_per_second"] / run["plain_tokens_per_second"][run["fastest_plain_dtype"]]
         run["speedup_same_dtype"] = run["eagle_tokens_per_second"] / run["plain_tokens_per_second"][chosen]
     by_set = {prompt_set: statistics.median(run["speedup"] for run in runs if run["set"] == prompt_set)
-              for prompt_set in dict.fromkeys(run["set"] for run in runs)}
+              for prompt_set in fastest_plain}
     measured = statistics.median(run["speedup_same_dtype"] for run in runs)
     return {
         "machine": machine_description(),
@@ -177,7 +193,7 @@ def run_demo(
         "choices": choices,
         "layouts": layouts,
         "chosen_dtype": chosen,
-        "fastest_plain_dtype": fastest_plain,
+        "fastest_plain_dtype_by_set": fastest_plain,
         "runs": runs,
         "speedup": statistics.median(run["speedup"] for run in runs),
         "speedup_by_set": by_set,
@@ -189,7 +205,8 @@ def run_demo(
         if choices[chosen].costs else None,
         "prediction": prediction_entry(choices[chosen], measured,
                                        [Call(run["new_tokens"], run["prefill_seconds"], run["tau"],
-                                             run["prompt_tokens"], run["set"], run["choice"]) for run in runs]),
+                                             run["prompt_tokens"], run["set"], run["choice"], run["plain_tokens"])
+                                        for run in runs]),
     }
 
 
@@ -225,7 +242,7 @@ def _run(args: argparse.Namespace) -> None:
     prompts = [("custom", text) for text in args.prompt] if args.prompt else demo_prompts(args.prompts_per_set)
     result = run_demo(prompts, args.max_new_tokens, dtypes, args.repetitions, args.threads, args.exact_attention,
                       args.cpu_layout)
-    chosen, fastest = result["chosen_dtype"], result["fastest_plain_dtype"]
+    chosen = result["chosen_dtype"]
     layouts = ", ".join(f"{name} {layout}" for name, layout in result["layouts"].items())
     print(f"machine: {result['machine']}, {result['threads']} torch threads; linear layers laid out: {layouts}"
           + (" (measured fastest here; --no-cpu-layout: as loaded)" if args.cpu_layout else ""))
@@ -242,24 +259,26 @@ def _run(args: argparse.Namespace) -> None:
         print(f"prompt {index} ({run['set']}): {prompt[:100].strip()!r}{'...' if len(prompt) > 100 else ''}")
         print(f"  {run['text'][:160].strip()!r}{'...' if len(run['text']) > 160 else ''}")
         print(f"  plain generate (tokens/s): {plain}; EAGLE-3 ({chosen}): {run['eagle_tokens_per_second']:.1f}; "
-              f"speedup {run['speedup']:.2f}x over plain {fastest}; τ {run['tau']:.2f}"
+              f"speedup {run['speedup']:.2f}x over plain {run['fastest_plain_dtype']}; τ {run['tau']:.2f}"
               + ("; the tree lost to plain decoding here, so the call decoded plainly for a part of it"
                  if run["switched_to_plain"] else ""))
         print(f"  {_describe_comparison(run['comparison'], chosen)}")
     print()
     prediction, measured = result["prediction"], result["speedup_same_dtype"]
-    sets = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in result["speedup_by_set"].items())
+    sets = ", ".join(f"{name} {speedup:.2f}x over plain {result['fastest_plain_dtype_by_set'][name]}"
+                     for name, speedup in result["speedup_by_set"].items())
     if result["choices"][chosen].settings is None:
-        print(f"EAGLE-3 decoded plainly here, so there is no speedup to show: the measured ratio to plain {fastest}, "
-              f"{result['speedup']:.2f}x ({sets}), is this machine's timing noise")
+        print(f"EAGLE-3 decoded plainly here, so there is no speedup to show: the measured ratio to the fastest plain "
+              f"decoding, {result['speedup']:.2f}x ({sets}), is this machine's timing noise")
     else:
-        print(f"speedup over the fastest plain decoding here ({fastest}): {result['speedup']:.2f}x, the median over "
-              f"{len(result['runs'])} prompts ({sets}) of {args.repetitions} interleaved runs each")
+        print(f"speedup over the fastest plain decoding of each prompt's set here: {result['speedup']:.2f}x, the "
+              f"median over {len(result['runs'])} prompts ({sets}) of {args.repetitions} interleaved runs each")
         print(f"over plain {chosen}: measured {measured:.2f}x; predicted by the calibration "
               f"{prediction['predicted_speedup']:.2f}x ({100 * prediction['prediction_error']:+.0f} %), at the "
               f"acceptance profile's τ for each prompt's set (median {prediction['predicted_tau']:.2f}) for calls of "
               f"{args.max_new_tokens} tokens after their prefill; "
-              f"at the τ each call measured (median {prediction['measured_tau']:.2f}), "
+              f"at the τ each call's trees measured (median {prediction['measured_tau']:.2f}) and its tokens "
+              "decoded plainly at the decode step, "
               f"{prediction['predicted_speedup_at_measured_tau']:.2f}x ({100 * prediction['cost_model_error']:+.0f} %)")
         measured_split, calibrated_split = result["cycle_ms"], result["calibrated_cycle_ms"]
         if measured_split and calibrated_split:

@@ -76,6 +76,8 @@ class Row:
         if self.stop_length is not None:
             return
         self.stats.continuation_tokens += continuation_tokens(proposal, path)
+        if proposal.tree.tokens.numel() == 1:  # the root alone: a plain decoding step
+            self.stats.plain_cycles.append(len(self.stats.acceptance_lengths))
         self.stats.acceptance_lengths.append(path.numel())  # accepted drafted tokens + the bonus token
         if record_cycle:  # references only: nothing computed on the decoding path
             self.stats.greedy_cycles.append((proposal.tree, path))

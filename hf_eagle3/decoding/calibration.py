@@ -254,11 +254,12 @@ class TreeChoice:
         return self.costs.plain_step_at(self.context_length) if self.costs is not None else None
 
     def call_speedup(self, new_tokens: int, prefill_seconds: float, tau: float | None = None,
-                     prompt_tokens: int | None = None) -> float:
+                     prompt_tokens: int | None = None, plain_tokens: int = 0) -> float:
         """The predicted speedup of a whole `generate` call over plain decoding: both pay the same prefill
         (`prefill_seconds`, which also gives the first token); then plain decoding takes a decode step per further
         token (at the call's mean context, from `prompt_tokens`, else the choice's), EAGLE-3 a cycle per `tau` of them
-        (default: the profile's). `predicted_speedup` is its limit for long answers; for short ones the prefill
+        (default: the profile's), except for `plain_tokens` it decoded plainly (where the online check found the tree
+        slower), a decode step each. `predicted_speedup` is its limit for long answers; for short ones the prefill
         dilutes it."""
         prediction = self.prediction
         decoded = new_tokens - 1
@@ -266,8 +267,10 @@ class TreeChoice:
             return 1.0
         plain_step = (self.plain_step if prompt_tokens is None
                       else self.costs.plain_step_at(prompt_tokens + new_tokens / 2))
+        drafted = max(decoded - plain_tokens, 0)
         return ((prefill_seconds + decoded * plain_step)
-                / (prefill_seconds + decoded * prediction.cycle_seconds / (tau or prediction.tau)))
+                / (prefill_seconds + drafted * prediction.cycle_seconds / (tau or prediction.tau)
+                   + (decoded - drafted) * plain_step))
 
 
 def profile_problem(profile, draft_vocab_size: int) -> str | None:

@@ -2,6 +2,7 @@
 output that returns it."""
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -25,16 +26,25 @@ class Eagle3RowStats:
     drafted tokens + the bonus token); the first token (from the prefill) is not counted, nor cycles after the row
     stopped. `greedy_cycles` holds each cycle's `DraftTree` and accepted path (node indices, root first), for greedy
     decoding with `record_greedy_cycles=True` only. With `ngram_candidates`, `continuation_tokens` counts the accepted
-    drafted tokens that the context continuation proposed (alone or with the draft)."""
+    drafted tokens that the context continuation proposed (alone or with the draft). `plain_cycles` are the indices
+    of the cycles that verified the root alone, plain decoding steps: a `tree_shape="auto"` call decodes plainly
+    where the online check found its tree slower than plain decoding."""
 
     acceptance_lengths: list[int] = field(default_factory=list)
     greedy_cycles: list[tuple[DraftTree, torch.Tensor]] = field(default_factory=list)
     continuation_tokens: int = 0
+    plain_cycles: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
         """τ of this row: mean tokens per target forward."""
         return _mean(self.acceptance_lengths)
+
+    @property
+    def tree_acceptance_lengths(self) -> list[int]:
+        """`acceptance_lengths` of the cycles that verified a drafted tree (all but `plain_cycles`)."""
+        plain = set(self.plain_cycles)
+        return [length for cycle, length in enumerate(self.acceptance_lengths) if cycle not in plain]
 
 
 CYCLE_PARTS = ("draft", "verify", "other")  # where a cycle's time goes: `Eagle3GenerationStats.{part}_seconds`
@@ -75,9 +85,20 @@ class Eagle3GenerationStats:
         return sum(row.continuation_tokens for row in self.rows)
 
     @property
+    def plain_cycles(self) -> list[int]:
+        """Indices into `acceptance_lengths` of the cycles that decoded plainly (`Eagle3RowStats.plain_cycles`)."""
+        offsets = itertools.accumulate((len(row.acceptance_lengths) for row in self.rows), initial=0)
+        return [offset + cycle for row, offset in zip(self.rows, offsets) for cycle in row.plain_cycles]
+
+    @property
     def mean_acceptance_length(self) -> float:
-        """τ: mean tokens per target forward and row (verification cycles only)."""
+        """τ: mean tokens per target forward and row (verification cycles only, plain ones included)."""
         return _mean(self.acceptance_lengths)
+
+    @property
+    def mean_tree_acceptance_length(self) -> float:
+        """τ of the drafted trees: mean tokens per target forward and row over the cycles that verified one."""
+        return _mean([length for row in self.rows for length in row.tree_acceptance_lengths])
 
     @property
     def other_seconds(self) -> float:
