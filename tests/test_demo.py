@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from hf_eagle3.commands.cli import build_parser
+from hf_eagle3.commands.cli import build_parser, main
 from hf_eagle3.commands.demo import (
     DEMO_PROMPTS_PER_SET,
     _calibrated_cycle_ms,
@@ -83,3 +83,18 @@ def test_each_prompt_set_is_compared_with_its_own_fastest_plain_decoding():
             {"set": "humaneval", "plain_tokens_per_second": {"float32": 13.5, "bfloat16": 10.8}},
             {"set": "humaneval", "plain_tokens_per_second": {"float32": 12.5, "bfloat16": 8.5}}]
     assert _fastest_plain_by_set(runs) == {"mt-bench": "bfloat16", "humaneval": "float32"}
+
+
+@pytest.mark.slow  # the real target and draft, calibrated (about a minute on a 2-core machine)
+def test_the_demo_runs_from_the_calibration_to_the_speedup_line_against_each_set_s_fastest_plain_decoding(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))  # its calibration record stays out of the user's cache
+    main(["demo", "--prompts-per-set", "1", "--max-new-tokens", "8", "--repetitions", "1", "--dtype", "float32",
+          "--threads", "1"])
+    printed = capsys.readouterr().out.splitlines()
+    assert "calibration (measured here, cached; τ from the draft's acceptance profile):" in printed
+    assert [line.split(":")[0] for line in printed if line.startswith("prompt ")] == ["prompt 1 (mt-bench)",
+                                                                                      "prompt 2 (humaneval)"]
+    speedup_line = next(line for line in printed if line.startswith(
+        ("speedup over the fastest plain decoding of each prompt's set here", "EAGLE-3 decoded plainly here")))
+    assert "mt-bench " in speedup_line and "humaneval " in speedup_line and "x over plain float32" in speedup_line

@@ -135,7 +135,7 @@ def run_demo(
     runs = []
     for prompt_set, text, input_ids in encoded:
         plain_seconds, plain_outputs, eagle_seconds, prefills = {name: [] for name in dtypes}, {}, [], []
-        taus, plain_tokens, cycle_ms, switched = [], [], [], False
+        taus, decoded_plainly, cycle_ms, switched = [], [], [], False
         for _ in range(repetitions):  # interleaved, so that machine noise hits every method alike
             for name in dtypes:
                 seconds, plain_outputs[name] = _timed(plain, name, input_ids)
@@ -145,7 +145,7 @@ def run_demo(
             stats = eagle_output.eagle3_stats
             prefills.append(stats.prefill_seconds)
             taus.append(stats.mean_tree_acceptance_length if stats.settings else 1.0)  # of its drafted trees
-            plain_tokens.append(len(stats.plain_cycles))  # decoded plainly, where the tree lost to plain decoding
+            decoded_plainly.append(len(stats.plain_cycles))  # tokens, where the tree lost to plain decoding
             switched |= "went on plainly" in (stats.shape_choice or "")
             if stats.num_cycles:
                 cycle_ms.append({part: 1000 * getattr(stats, f"{part}_seconds") / stats.num_cycles
@@ -166,7 +166,7 @@ def run_demo(
             "eagle_tokens_per_second": new_tokens / statistics.median(eagle_seconds),
             "prefill_seconds": statistics.median(prefills),
             "tau": statistics.median(taus),
-            "plain_tokens": statistics.median(plain_tokens),
+            "decoded_plainly": statistics.median(decoded_plainly),
             "cycle_ms": _median_split(cycle_ms),
             # plain decoding's step per further token: its call less EAGLE-3's prefill (the same target forward;
             # the draft's share of it is a few ms)
@@ -205,7 +205,7 @@ def run_demo(
         if choices[chosen].costs else None,
         "prediction": prediction_entry(choices[chosen], measured,
                                        [Call(run["new_tokens"], run["prefill_seconds"], run["tau"],
-                                             run["prompt_tokens"], run["set"], run["choice"], run["plain_tokens"])
+                                             run["prompt_tokens"], run["set"], run["choice"], run["decoded_plainly"])
                                         for run in runs]),
     }
 
