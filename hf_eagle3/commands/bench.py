@@ -46,7 +46,7 @@ from transformers import CompileConfig
 
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description, verification_cost
 from ..decoding.cpu_layout import LAYOUTS, onednn_packs, optimize, standard_layout, weight_layout
-from ..decoding.stats import CYCLE_PARTS
+from ..decoding.stats import CYCLE_PARTS, Eagle3RowStats
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
@@ -333,12 +333,6 @@ def prediction_entry(choice: TreeChoice, measured_speedup: float, calls: list[Ca
     }
 
 
-def _tree_acceptance_lengths(record: dict) -> list[int]:
-    """A timed call's acceptance lengths of the cycles that verified a drafted tree."""
-    plain = set(record.get("plain_cycles", []))
-    return [length for cycle, length in enumerate(record["acceptance_lengths"]) if cycle not in plain]
-
-
 def _tokens_per_second(record: dict) -> float:
     """A timed call's new tokens over its seconds, prefill included."""
     return record["new_tokens"] / record["seconds"]
@@ -368,19 +362,20 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
             if method.is_eagle3:
                 # τ, n-α and the rest over the cycles that verified a drafted tree: not the plain decoding steps of a
                 # call the online check sent on plainly (records written before they were told apart hold none)
-                tree_lengths = {id(r): _tree_acceptance_lengths(r) for r in rows}
-                lengths = [length for r in rows for length in tree_lengths[id(r)]]
+                calls_stats = [Eagle3RowStats(r["acceptance_lengths"], plain_cycles=r.get("plain_cycles", []))
+                               for r in rows]
+                lengths = [length for stats in calls_stats for length in stats.tree_acceptance_lengths]
                 cycles = len(lengths)
                 entry["shapes"] = sorted({r["shape"] for r in rows})
                 # tree_shape="auto" decoded plainly: one token per target forward
                 entry["tau"] = sum(lengths) / cycles if cycles else 1.0
-                entry["plain_cycles"] = sum(len(r.get("plain_cycles", [])) for r in rows)
+                entry["plain_cycles"] = sum(len(stats.plain_cycles) for stats in calls_stats)
                 baseline = speed_of[method.path_baseline]
                 if method.name in choices and baseline:
                     calls = [Call(r["new_tokens"], r["prefill_seconds"],
-                                  sum(tree_lengths[id(r)]) / len(tree_lengths[id(r)]) if tree_lengths[id(r)] else 1.0,
-                                  r["prompt_tokens"], set_name, call_choices.get((set_name, r["prompt"], method.name)),
-                                  len(r.get("plain_cycles", []))) for r in rows]
+                                  stats.mean_tree_acceptance_length or 1.0, r["prompt_tokens"], set_name,
+                                  call_choices.get((set_name, r["prompt"], method.name)), len(stats.plain_cycles))
+                             for r, stats in zip(rows, calls_stats)]
                     measured = statistics.median(_tokens_per_second(r) / baseline[r["prompt"]] for r in rows)
                     entry.update(prediction_entry(choices[method.name], measured, calls),
                                  prediction_baseline=method.path_baseline)

@@ -46,6 +46,11 @@ class Eagle3RowStats:
         plain = set(self.plain_cycles)
         return [length for cycle, length in enumerate(self.acceptance_lengths) if cycle not in plain]
 
+    @property
+    def mean_tree_acceptance_length(self) -> float:
+        """τ of this row's drafted trees: mean tokens per target forward over the cycles that verified one."""
+        return _mean(self.tree_acceptance_lengths)
+
 
 CYCLE_PARTS = ("draft", "verify", "other")  # where a cycle's time goes: `Eagle3GenerationStats.{part}_seconds`
 
