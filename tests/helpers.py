@@ -21,6 +21,8 @@ from transformers import (
 
 import hf_eagle3  # noqa: F401  (installs the generate hooks)
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel
+from hf_eagle3.decoding.tree import DraftTree
+from hf_eagle3.decoding.verify import greedy_paths
 
 VOCAB = 96
 HIDDEN = 32
@@ -202,3 +204,12 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     statistic = ((observed - expected) ** 2 / expected.clamp_min(1e-12)).sum()
     degrees = kept.sum().item()  # (cells - 1) with the pooled cell
     return torch.special.gammaincc(torch.tensor(degrees / 2.0), statistic / 2.0).item()
+
+
+def greedy_path(tree: DraftTree, target_choices: torch.Tensor) -> torch.Tensor:
+    """`verify.greedy_paths` of one tree without a batch dimension: its accepted node indices, root first."""
+    batched = DraftTree(tree.tokens[None], tree.parents[None], tree.depths[None], tree.ancestors[None],
+                        tree.candidate_ids[None], tree.candidate_rank_keys[None], tree.candidate_depths[None],
+                        tree.max_depth)
+    lengths, path = greedy_paths(batched, target_choices[None])
+    return path[0, : int(lengths[0])]

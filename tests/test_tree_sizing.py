@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_draft
+from helpers import VOCAB, greedy_path, tiny_draft
 from safetensors import safe_open
 
 from hf_eagle3 import Eagle3DraftModel
@@ -15,7 +15,6 @@ from hf_eagle3.commands.tune_tree import save_tuned_draft, tune_tree
 from hf_eagle3.decoding.calibration import drafting_cost, verification_cost
 from hf_eagle3.decoding.drafter import TreeSettings
 from hf_eagle3.decoding.tree import build_tree, expand, select_frontier
-from hf_eagle3.decoding.verify import greedy_accept
 from hf_eagle3.resources.loading import stored_dtype
 from hf_eagle3.training.profile import acceptance_profile, accepted_in_smaller_trees
 
@@ -58,7 +57,7 @@ def test_smaller_trees_accept_what_building_them_accepts(seed):
     def accepted_path(depth: int, total: int):
         kept = depths <= depth  # candidates are numbered depth by depth: a prefix
         tree = build_tree(torch.tensor(0), tokens[kept], scores[kept], parents[kept], depths[kept], total)
-        path = greedy_accept(tree, torch.cat([choices[:1], choices[1:][tree.candidate_ids]]))
+        path = greedy_path(tree, torch.cat([choices[:1], choices[1:][tree.candidate_ids]]))
         return tree, path
 
     largest, path = accepted_path(max_depth, max_total)

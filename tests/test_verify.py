@@ -1,16 +1,17 @@
 """Pure tensor tests of the acceptance rules (no models)."""
 
 import torch
+from helpers import greedy_path
 
 from hf_eagle3.decoding.tree import DraftTree, ancestor_matrix
-from hf_eagle3.decoding.verify import accept_among_children, accept_sampled, children, greedy_accept
+from hf_eagle3.decoding.verify import accept_among_children, accept_sampled, children
 
 
 def _tree(tokens, parents, depths):
     parents = torch.tensor(parents)
     depths = torch.tensor(depths)
     return DraftTree(torch.tensor(tokens), parents, depths, ancestor_matrix(parents, int(depths.max())),
-                     torch.arange(len(tokens) - 1), -torch.arange(len(tokens) - 1.0), depths[1:])
+                     torch.arange(len(tokens) - 1), -torch.arange(len(tokens) - 1.0), depths[1:], int(depths.max()))
 
 
 #   0(root 5) -> 1(7) -> 3(9) -> 5(4)
@@ -21,18 +22,18 @@ TREE = _tree([5, 7, 8, 9, 9, 4], [0, 0, 0, 1, 2, 3], [0, 1, 1, 2, 2, 3])
 def test_greedy_accepts_the_longest_matching_path():
     # target's greedy token after each node
     choices = torch.tensor([7, 9, 9, 4, 1, 6])
-    path = greedy_accept(TREE, choices)
+    path = greedy_path(TREE, choices)
     assert path.tolist() == [0, 1, 3, 5] and choices[path[-1]] == 6
 
 
 def test_greedy_stops_at_the_first_mismatch_and_takes_the_targets_token():
     choices = torch.tensor([8, 3, 2, 4, 1, 6])
-    path = greedy_accept(TREE, choices)
+    path = greedy_path(TREE, choices)
     assert path.tolist() == [0, 2] and choices[path[-1]] == 2
 
 
 def test_greedy_rejects_everything_when_no_child_matches():
-    path = greedy_accept(TREE, torch.tensor([3, 9, 9, 4, 1, 6]))
+    path = greedy_path(TREE, torch.tensor([3, 9, 9, 4, 1, 6]))
     assert path.tolist() == [0]
 
 

@@ -19,9 +19,9 @@ sequence masked), so its cost grows with the cache's length, not the sequence's:
 1-token forward of SmolLM2-135M takes 48 ms with 200 entries and 77 ms with 900. A static cache's costs are measured
 at its length.
 
-A batch of `B` rows verifies every row's tree in one forward of `B (N + 1)` tokens and drafts row after row, so the
-costs of a batch are measured at its size. Rows decode independently, so a batch emits `B τ` tokens per cycle against
-`B` per plain step: the prediction above holds with the batch's costs.
+A batch of `B` rows verifies every row's tree in one forward of `B (N + 1)` tokens and drafts each level of every
+row's tree in one draft forward, so the costs of a batch are measured at its size. Rows decode independently, so a
+batch emits `B τ` tokens per cycle against `B` per plain step: the prediction above holds with the batch's costs.
 
 Measuring on a noisy machine: every cost is sampled in `CALIBRATION_ROUNDS` interleaved rounds after a round that
 only warms every shape up, so that a change of load hits every cost alike, and the medians count. The decode step is
@@ -416,28 +416,30 @@ def verification_cost(
 
 
 def _drafting_probes(draft: Eagle3DraftModel, shapes: list[TreeSettings], accepted_per_cycle: int,
-                     prefix_length: int) -> dict[TreeSettings, Callable[[], float]]:
-    """One probe per shape: the draft's work in one cycle, feeding `accepted_per_cycle` verified positions, then
-    growing the tree (the draft's embedding must be attached)."""
+                     prefix_length: int, batch_size: int = 1) -> dict[TreeSettings, Callable[[], float]]:
+    """One probe per shape: the draft's work in one cycle for `batch_size` rows, feeding `accepted_per_cycle`
+    verified positions, then growing the trees (the draft's embedding must be attached)."""
     device, dtype = draft.device, draft.fc.weight.dtype
     vocab_size, feature_size = draft.config.vocab_size, 3 * draft.config.target_hidden_size
     drafters = {shape: Eagle3Drafter(draft, shape) for shape in shapes}
+
+    def fed(length: int, start: int):
+        return (torch.randint(0, vocab_size, (batch_size, length), device=device),
+                torch.randn(batch_size, length, feature_size, device=device, dtype=dtype),
+                torch.arange(start, start + length, device=device).expand(batch_size, -1),
+                torch.ones(batch_size, length, dtype=torch.bool, device=device))
+
     for drafter in drafters.values():
-        drafter.extend(torch.randint(0, vocab_size, (1, prefix_length), device=device),
-                       torch.randn(1, prefix_length, feature_size, device=device, dtype=dtype),
-                       torch.arange(prefix_length, device=device)[None])
-    positions = torch.arange(prefix_length, prefix_length + accepted_per_cycle, device=device)[None]
+        drafter.extend(*fed(prefix_length, 0))
+    cycle_inputs = fed(accepted_per_cycle, prefix_length)
 
     def probe(drafter: Eagle3Drafter) -> float:
-        tokens = torch.randint(0, vocab_size, (1, accepted_per_cycle), device=device)
-        features = torch.randn(1, accepted_per_cycle, feature_size, device=device, dtype=dtype)
-
         def cycle():
-            drafter.extend(tokens, features, positions)
-            drafter.draft_tree(tokens[0, -1], prefix_length + accepted_per_cycle)
+            drafter.extend(*cycle_inputs)
+            drafter.draft_tree(cycle_inputs[0][:, -1], cycle_inputs[2][:, -1] + 1)
 
         seconds = _timed(device, cycle)
-        drafter.num_verified = prefix_length  # the next extend drops this cycle's entries
+        drafter.visible = drafter.visible[:, :prefix_length]  # the next extend drops this cycle's entries
         return seconds
 
     return {shape: (lambda drafter=drafter: probe(drafter)) for shape, drafter in drafters.items()}
@@ -536,7 +538,7 @@ def measure_costs(
         target, sizes, prefix_length, draft.config.target_layer_ids, batch_size, compile_config,
         static_length).items()}
     probes |= {("draft", shape): probe for shape, probe in _drafting_probes(
-        draft, list(tree_shapes.values()), 2, prefix_length).items()}
+        draft, list(tree_shapes.values()), 2, prefix_length, batch_size).items()}
     samples = _interleaved(probes, rounds)
 
     def costs_of(pick: Callable[[list[float]], float]) -> MachineCosts:
@@ -546,7 +548,7 @@ def measure_costs(
             plain_steps={context: max(pick(samples["plain", context]), SECONDS_RANGE[0])
                          for context in contexts} if len(contexts) > 1 else {},
             verify={n: max(pick(samples["verify", n]), SECONDS_RANGE[0]) for n in sizes},
-            draft={key: max(batch_size * pick(samples["draft", shape]), SECONDS_RANGE[0])
+            draft={key: max(pick(samples["draft", shape]), SECONDS_RANGE[0])
                    for key, shape in tree_shapes.items()},
             other=pick(samples["other"]),
         )

@@ -1,9 +1,12 @@
 """The EAGLE-3 decoding loop: prefill, then cycles of propose, verify, accept and compact until every row stops.
 
-One cycle: each unfinished row's proposer grows a tree below its last generated token (the root); the target
-verifies every row's root and tree in one forward, each row with its own tree attention mask over its visible cache
-entries and its own positions (`target_attention`), returning the hidden states the draft fuses; each row accepts its
-own path and a bonus token (`verify`) and feeds its accepted positions' target features to its proposer. The target's
+One cycle: the proposer grows every unfinished row's tree below its last generated token (the root), one draft
+forward per tree level for all rows; the target verifies every row's root and tree in one forward, each row with its
+own tree attention mask over its visible cache entries and its own positions (`target_attention`), returning the
+hidden states the draft fuses; every row's path and bonus token are accepted at once (`verify`), read back to the
+host in one transfer (`read_back`: the cycle's only wait for the device, on an accelerator), and the accepted
+positions' target features go back to the proposer. Stopping criteria, the n-gram search, positions and lengths are
+decided on the host from what was read back; the tensors whose shapes they set are built without waiting. The target's
 cache keeps, for every row, its accepted entries, contiguous after the previous prefix; a row that accepted fewer than
 the longest leaves unused entries, which its visibility mask hides from then on (the cache grows by the longest
 accepted path per cycle; plain decoding over a left-padded batch hides its padding the same way). Finished rows leave
@@ -22,16 +25,28 @@ from transformers.cache_utils import StaticCache
 from transformers.utils import logging
 
 from ..modeling_eagle3 import Eagle3DraftModel
-from .batch_state import BatchState, Emission, Row, Stopping, decoding_rows, keep_cache_entries
+from .batch_state import BatchState, Row, Stopping, decoding_rows, keep_cache_entries
 from .calibration import correct_calibration
 from .compiled import compiled_forward
 from .drafter import DraftProposal
 from .online import Decision, OnlineCheck
-from .proposer import Eagle3Proposer, PlainProposer, Verified
+from .proposer import Eagle3Proposer, Emitted, PlainProposer, Verified
 from .settings import DecodingSettings
 from .stats import Eagle3GenerateOutput, Eagle3GenerationStats, Stopwatch
 from .target_attention import TargetAttention
-from .verify import Acceptance, accept_argmax, accept_walk, greedy_pick, processed_scores, sampling_pick
+from .verify import (
+    Acceptance,
+    accept_argmax,
+    accept_sampling,
+    accept_walk,
+    greedy_pick,
+    node_scores,
+    processed_scores,
+    reads_sequence,
+    sample,
+    sampling_pick,
+    stacked,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -53,6 +68,7 @@ class Run:
     record_cycles: bool
     static_length: int | None  # a static cache's length, which every verification mask spans
     batch_size: int
+    device: torch.device  # where the loop's tensors live: the prompt's device (a target's layers may be elsewhere)
     streamer: object
     stats: Eagle3GenerationStats
     stopwatch: Stopwatch
@@ -62,31 +78,32 @@ def decode(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
            logits_processor, stopping_criteria, generation_config, streamer, record_greedy_cycles: bool,
            model_kwargs: dict):
     """EAGLE-3 decoding of `input_ids` (`[B, L]`) with the call's prepared `model_kwargs` (a checked target cache);
-    the draft reads the target's `hidden_states[i]` for `i` in `layer_ids`."""
-    run = _start(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
-                 streamer, record_greedy_cycles, model_kwargs)
-    start_time = time.perf_counter()
-    rows, state, emissions = prefill(run, input_ids, model_kwargs)
+    the draft reads the target's `hidden_states[i]` for `i` in `layer_ids`. A cycle reads one small tensor back from
+    the device (`read_back`); everything else it decides from that on the host, or leaves on the device."""
     online = online_check(settings)
+    run = _start(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
+                 streamer, record_greedy_cycles, model_kwargs, measured=online is not None)
+    start_time = time.perf_counter()
+    rows, state = prefill(run, input_ids, model_kwargs)
     while True:
         cycle_start, split_before = time.perf_counter(), run.stats.split()
-        emit(run, state, emissions)
         decoding = decoding_rows(rows, state.rows, run.stopping)
         if not decoding:
             break
         state = state.select(decoding)
-        proposals = propose(run, state)
-        logits, features = verify(run, state, proposals)
-        acceptances, emissions = accept(run, state, proposals, logits, features)
-        state = compact(state, acceptances)
+        proposal = propose(run, state)
+        logits, features = verify(run, state, proposal)
+        acceptance = accept(run, state, proposal, logits)
+        lengths, emitted = read_back(run, state, proposal, acceptance, logits)
+        state = compact(run, state, proposal, acceptance, features, lengths, emitted)
         if online is not None:
-            online = check_online(run, state, online, run.stats.split_since(cycle_start, split_before), acceptances)
-    return _finish(run, rows, state.cache, generation_config, start_time)
+            online = check_online(run, state, online, run.stats.split_since(cycle_start, split_before), lengths)
+    return _finish(run, rows, state, generation_config, start_time)
 
 
 def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids: list[int], input_ids,
            logits_processor, stopping_criteria, generation_config, streamer, record_greedy_cycles: bool,
-           model_kwargs: dict) -> Run:
+           model_kwargs: dict, measured: bool) -> Run:
     batch_size = input_ids.shape[0]
     attention = TargetAttention(model, settings.exact_attention, model_kwargs.get("attention_mask"), batch_size)
     cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings)
@@ -111,13 +128,14 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
         model, forward, draft, settings, attention, layer_ids, draft.draft_to_target, logits_processor, stopping,
         temperature=(generation_config.temperature or 1.0) if do_sample else None,
         record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, batch_size=batch_size,
-        streamer=streamer, stats=stats, stopwatch=Stopwatch(stats, input_ids.device),
+        device=input_ids.device, streamer=streamer, stats=stats,
+        stopwatch=Stopwatch(stats, input_ids.device, measured=measured),
     )
 
 
-def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list[Row], BatchState, list[Emission]]:
-    """The prompts through the target (what follows the cache's prefix, as plain decoding feeds them), each row's fed
-    visible positions' features through its proposer; each row's first token.
+def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list[Row], BatchState]:
+    """The prompts through the target (what follows the cache's prefix, as plain decoding feeds them), the fed
+    visible positions' features through the proposer; each row's first token.
 
     A cache that already holds a prefix has no features for it: the draft starts at the first fed token, and the
     prefix reaches it through the target's features of the fed tokens (the target attended to it)."""
@@ -133,54 +151,50 @@ def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list
         if key_positions is None:
             key_positions = torch.arange(length, device=input_ids.device)[None]
         key_positions = key_positions.expand(run.batch_size, -1)
-        next_logits = outputs.logits[:, -1].float()  # [B, V]
+        next_logits = outputs.logits[:, -1].float().to(run.device)  # [B, V]
         next_scores = run.logits_processor(input_ids, next_logits)
-        next_tokens = (torch.multinomial(next_scores.softmax(-1), 1)[:, 0] if run.temperature is not None
-                       else next_scores.argmax(-1))
-        features = torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)  # [B, L - cached, 3 k_t]
+        next_tokens = sample(next_scores.softmax(-1)) if run.temperature is not None else next_scores.argmax(-1)
+        features = _features(run, outputs)  # [B, L - cached, 3 k_t]
         followers = torch.cat([input_ids[:, cached + 1 :], next_tokens[:, None]], dim=-1)
-        rows = []
-        for index in range(run.batch_size):
-            fed = visible[index, cached:]
-            proposer = Eagle3Proposer(run.draft, run.settings.tree, run.temperature, run.settings.ngram_candidates,
-                                      context_start=int(visible[index].int().argmax()))
-            proposer.accepted(Verified(key_positions[index, cached:][fed], features[index, fed], followers[index, fed]))
-            rows.append(Row(index, input_ids[index], proposer))
+        prompts, first_tokens, starts = input_ids.tolist(), next_tokens.tolist(), visible.int().argmax(-1).tolist()
+        rows = [Row(index, input_ids[index], prompts[index]) for index in range(run.batch_size)]
+        for row in rows:
+            row.emit([first_tokens[row.index]], next_tokens[row.index, None], next_scores[row.index, None],
+                     next_logits[row.index, None], run.stopping)
+        proposer = Eagle3Proposer(run.draft, run.settings.tree, run.temperature, run.settings.ngram_candidates,
+                                  [row.host_tokens[start:] for row, start in zip(rows, starts)])
+        proposer.accepted(Verified(key_positions[:, cached:], features, followers, visible[:, cached:]))
+    if run.streamer is not None:
+        for row in rows:
+            run.streamer.put(torch.tensor(row.host_tokens[length:]))
     run.stats.rows = [row.stats for row in rows]
-    state = BatchState(rows, model_kwargs["cache"], visible, key_positions, key_positions[:, -1] + 1)
-    emissions = [Emission(next_tokens[index, None], next_scores[index, None], next_logits[index, None])
-                 for index in range(run.batch_size)]
-    return rows, state, emissions
+    return rows, BatchState(rows, proposer, model_kwargs["cache"], visible, key_positions, key_positions[:, -1] + 1)
 
 
-def emit(run: Run, state: BatchState, emissions: list[Emission]) -> None:
-    """Each row appends its emission, up to where the stopping criteria hold; the streamer receives what it kept."""
-    for row, emission in zip(state.rows, emissions):
-        emitted = row.emit(emission, run.stopping)
-        if run.streamer is not None:
-            run.streamer.put(emitted.cpu())
+def _features(run: Run, outputs) -> torch.Tensor:
+    """The target features `[b, n, 3 k_t]` the draft reads, on the loop's device (layers may sit on others)."""
+    return torch.cat([outputs.hidden_states[i].to(run.device) for i in run.layer_ids], dim=-1)
 
 
-def propose(run: Run, state: BatchState) -> list[DraftProposal]:
-    """Each row's tree below its root."""
+def propose(run: Run, state: BatchState) -> DraftProposal:
+    """Every row's tree below its root."""
     with run.stopwatch.time("draft_seconds"):
-        return [row.proposer.propose(row.tokens, int(position)) for row, position in zip(state.rows,
-                                                                                         state.root_positions)]
+        roots = torch.stack([row.tokens[-1] for row in state.rows])
+        return state.proposer.propose(roots, state.root_positions)
 
 
-def verify(run: Run, state: BatchState, proposals: list[DraftProposal]) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(run: Run, state: BatchState, proposal: DraftProposal) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over every row's tree: its logits `[b, n, V]` and features `[b, n, 3 k_t]` at the nodes."""
-    trees = [proposal.tree for proposal in proposals]
-    prefix_length = state.visible.shape[1]
-    node_positions = state.root_positions[:, None] + torch.stack([tree.depths for tree in trees])  # [b, n]
+    tree = proposal.tree
+    node_positions = state.root_positions[:, None] + tree.depths  # [b, n]
     key_positions = torch.cat([state.key_positions, node_positions], dim=1)
-    attends = run.attention.verification_kwargs(trees, prefix_length)
+    attends = run.attention.verification_kwargs(tree, state.cache_length)
     with run.stopwatch.time("verify_seconds"):
         outputs = run.forward(
-            input_ids=torch.stack([tree.tokens for tree in trees]),
+            input_ids=tree.tokens,
             position_ids=node_positions,
-            attention_mask=run.attention.verification_mask(trees, state.visible, key_positions, run.model.dtype,
-                                                           run.static_length),
+            attention_mask=run.attention.verification_mask(tree.ancestors, state.visible, key_positions,
+                                                           run.model.dtype, run.static_length),
             cache=state.cache,
             output_hidden_states=run.layer_ids,
             use_cache=True,
@@ -188,46 +202,72 @@ def verify(run: Run, state: BatchState, proposals: list[DraftProposal]) -> tuple
         )
     run.attention.check_verified(run.model, attends)
     run.stats.num_cycles += 1
-    return outputs.logits, torch.cat([outputs.hidden_states[i] for i in run.layer_ids], dim=-1)
+    return outputs.logits.to(run.device), _features(run, outputs)
 
 
-def accept(run: Run, state: BatchState, proposals: list[DraftProposal], logits: torch.Tensor,
-           features: torch.Tensor) -> tuple[list[Acceptance], list[Emission]]:
-    """Each row's accepted path and bonus token, and what it emits; the accepted positions' features go to the row's
-    proposer."""
-    acceptances, emissions = [], []
-    for index, (row, proposal) in enumerate(zip(state.rows, proposals)):
-        accepted = _accept_tree(run, row, proposal, logits[index])  # logits in the model dtype: argmax is exact
-        row.record(proposal, accepted.path, run.record_cycles)
-        tokens = torch.cat([proposal.tree.tokens[accepted.path[1:]], accepted.bonus])
-        positions = state.root_positions[index] + torch.arange(accepted.path.numel(), device=tokens.device)
-        with run.stopwatch.time("draft_seconds"):
-            row.proposer.accepted(Verified(positions, features[index, accepted.path], tokens), proposal, accepted.path)
-        acceptances.append(accepted)
-        emissions.append(Emission(tokens, accepted.scores, logits[index, accepted.path].float()))
-    return acceptances, emissions
+def accept(run: Run, state: BatchState, proposal: DraftProposal, logits: torch.Tensor) -> Acceptance:
+    """Every row's accepted path and bonus token: decided for all rows at once, over the target's raw logits (in the
+    model dtype: argmax is exact) or its processed scores at every node; node by node where the processors read the
+    sequence or chains were sampled from the draft."""
+    tree, keep_scores, processors = proposal.tree, run.stopping.keep_scores, run.logits_processor
+    if run.temperature is None and len(processors) == 0:
+        return accept_argmax(tree, logits, keep_scores)
+    if not reads_sequence(processors) and proposal.sampled is None:
+        scores = node_scores(processors, tree, logits)
+        return (accept_argmax if run.temperature is None else accept_sampling)(tree, scores, keep_scores)
+    walks = []
+    for index, row in enumerate(state.rows):
+        row_tree = tree.row(index)
+        scores_after = processed_scores(processors, row.tokens[None], row_tree, logits[index], row.index,
+                                        run.batch_size)
+        pick = (greedy_pick(row_tree) if run.temperature is None else
+                sampling_pick(row_tree, None if proposal.draft_probs is None else proposal.draft_probs[index],
+                              None if proposal.sampled is None else proposal.sampled[index], run.draft_to_target))
+        walks.append(accept_walk(row_tree, scores_after, pick))
+    return stacked(walks, tree.max_depth + 1)
 
 
-def _accept_tree(run: Run, row: Row, proposal: DraftProposal, logits: torch.Tensor) -> Acceptance:
-    tree = proposal.tree
-    if run.temperature is None and len(run.logits_processor) == 0:
-        return accept_argmax(tree, logits)
-    scores_after = processed_scores(run.logits_processor, row.tokens[None], tree, logits, row.index, run.batch_size)
-    if run.temperature is None:
-        return accept_walk(tree, scores_after, greedy_pick(tree))
-    pick = sampling_pick(tree, proposal.draft_probs, proposal.sampled, run.draft_to_target)
-    return accept_walk(tree, scores_after, pick)
+def read_back(run: Run, state: BatchState, proposal: DraftProposal, acceptance: Acceptance,
+              logits: torch.Tensor) -> tuple[list[int], Emitted]:
+    """The cycle's one read from the device: each row's accepted length and tokens, and its continuation's kept and
+    accepted tokens. Each row records the cycle and appends its tokens up to where the stopping criteria hold; the
+    streamer receives what they kept. Returns every row's accepted length and what it emitted."""
+    tree, continuation = proposal.tree, proposal.continuation_nodes
+    on_path = (acceptance.path[:, :, None] == torch.arange(tree.num_nodes, device=run.device)).any(1)  # [b, n]
+    continuation_accepted = (on_path.gather(1, continuation) & (continuation > 0)).sum(-1)
+    packed = torch.cat([acceptance.lengths[:, None], (continuation > 0).sum(-1)[:, None],
+                        continuation_accepted[:, None], acceptance.tokens], dim=1).tolist()
+    lengths = [values[0] for values in packed]
+    logits = logits.gather(1, acceptance.path[..., None].expand(-1, -1, logits.shape[-1])).float() \
+        if run.stopping.keep_logits else None
+    plain, emitted = tree.num_nodes == 1, []
+    for index, (row, values) in enumerate(zip(state.rows, packed)):
+        length = values[0]
+        cycle = (tree.row(index), acceptance.path[index, :length]) if run.record_cycles else None
+        row.record(length, values[2], plain, cycle)
+        emitted.append(row.emit(values[3 : 3 + length], acceptance.tokens[index],
+                                None if acceptance.scores is None else acceptance.scores[index],
+                                None if logits is None else logits[index], run.stopping))
+        if run.streamer is not None:
+            run.streamer.put(torch.tensor(emitted[-1]))
+    return lengths, Emitted(emitted, [values[1] for values in packed], [values[2] for values in packed])
 
 
-def compact(state: BatchState, acceptances: list[Acceptance]) -> BatchState:
-    """Each row keeps its accepted cache entries; rows that accepted fewer leave entries their mask hides from now
-    on."""
-    paths = [accepted.path for accepted in acceptances]
-    lengths = torch.tensor([path.numel() for path in paths], device=state.visible.device)
-    longest = int(lengths.max())
-    keep = torch.stack([torch.cat([path, path.new_zeros(longest - path.numel())]) for path in paths])
-    keep_cache_entries(state.cache, state.visible.shape[1], keep)
-    return state.advance(lengths)
+def compact(run: Run, state: BatchState, proposal: DraftProposal, acceptance: Acceptance, features: torch.Tensor,
+            lengths: list[int], emitted: Emitted) -> BatchState:
+    """The accepted positions' features go to the proposer; each row keeps its accepted cache entries, and rows that
+    accepted fewer leave entries their mask hides from now on."""
+    path, width = acceptance.path, acceptance.path.shape[1]
+    offsets = torch.arange(width, device=run.device)
+    verified = Verified(state.root_positions[:, None] + offsets,
+                        features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])), acceptance.tokens,
+                        offsets[None] < acceptance.lengths[:, None])
+    with run.stopwatch.time("draft_seconds"):
+        state.proposer.accepted(verified, emitted)
+    longest = max(lengths)
+    keep_cache_entries(state.cache, state.cache_length, path[:, :longest],
+                       state.cache_length + proposal.tree.num_nodes)
+    return state.advance(acceptance.lengths, longest)
 
 
 def online_check(settings: DecodingSettings) -> OnlineCheck | None:
@@ -240,13 +280,13 @@ def online_check(settings: DecodingSettings) -> OnlineCheck | None:
 
 
 def check_online(run: Run, state: BatchState, online: OnlineCheck, part_seconds: dict[str, float],
-                 acceptances: list[Acceptance]) -> OnlineCheck | None:
+                 lengths: list[int]) -> OnlineCheck | None:
     """Count the cycle (its parts' seconds). Once the cycles cost other than predicted, or the call's speed falls short
     of plain decoding's calibrated speed, every row decodes plainly for a trial (its proposer paused, kept current);
     after it, the record is corrected toward what the call measured, and every row goes on with the faster of the
     two; decoding plainly, it tries the tree again now and then (`online`). Returns the check while it goes on, `None`
     once the call keeps the tree to its end."""
-    tokens = sum(accepted.path.numel() for accepted in acceptances) / len(acceptances)
+    tokens = sum(lengths) / len(lengths)
     before = online.decision
     decision = online.observe(part_seconds, tokens)
     if decision is before and not online.settled:
@@ -293,26 +333,26 @@ def _note_trial(run: Run, online: OnlineCheck) -> None:
 
 
 def _pause(state: BatchState) -> None:
-    """Every row decodes plainly, its proposer paused (told later what the target verified meanwhile)."""
-    for row in state.rows:
-        row.proposer = PlainProposer(paused=row.proposer)
+    """Every row decodes plainly, the proposer paused (told later what the target verified meanwhile)."""
+    state.proposer = PlainProposer(paused=state.proposer)
 
 
 def _resume(run: Run, state: BatchState) -> None:
-    """Every row's paused proposer back, caught up on what the target verified meanwhile."""
+    """The paused proposer back, caught up on what the target verified meanwhile."""
     with run.stopwatch.time("draft_seconds"):
-        for row in state.rows:
-            row.proposer = row.proposer.resumed()
+        state.proposer = state.proposer.resumed()
 
 
-def _finish(run: Run, rows: list[Row], cache, generation_config, start_time: float):
+def _finish(run: Run, rows: list[Row], state: BatchState, generation_config, start_time: float):
+    cache = state.cache
     if run.batch_size == 1:  # a cycle cut short by a stop leaves entries past the last kept token: plain has none
-        cache.crop(min(0, rows[0].tokens.numel() - 1 - int(cache.get_seq_length())))
+        cache.crop(min(0, len(rows[0].host_tokens) - 1 - state.cache_length))
     if run.streamer is not None:
         run.streamer.end()
     final_length = max(row.stop_length for row in rows)
     pad_token = generation_config._pad_token_tensor  # what `_sample` pads stopped rows with
     sequences = torch.stack([_right_padded(row.tokens[:final_length], final_length, pad_token) for row in rows])
+    run.stopwatch.finish()
     run.stats.total_seconds = time.perf_counter() - start_time
     if not generation_config.return_dict_in_generate:
         return sequences

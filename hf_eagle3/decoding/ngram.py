@@ -28,18 +28,40 @@ import torch
 _RATE_POSITIONS = 8
 
 
-def find_continuation(tokens: torch.Tensor, max_match: int, max_tokens: int) -> tuple[torch.Tensor, int]:
-    """The tokens that followed the most recent earlier occurrence of the longest suffix of `tokens` (`[L]`) of at
-    most `max_match` tokens, at most `max_tokens` of them; `(continuation [m], match length)`, `m = 0` when no
-    suffix of one token or more occurs earlier."""
-    length = tokens.numel()
-    for size in range(min(max_match, length - 1), 0, -1):
-        windows = tokens[: length - 1].unfold(0, size, 1)  # every earlier window that has a token after it
-        starts = (windows == tokens[length - size :]).all(-1).nonzero()
-        if starts.numel():
-            start = int(starts[-1]) + size
-            return tokens[start : start + max_tokens], size
-    return tokens[:0], 0
+class ContextIndex:
+    """The n-grams of one sequence's context, on the host, for `find`: for every n-gram of at most `max_match` tokens,
+    where its most recent occurrence with a token after it ends. `extend` indexes the tokens a cycle appended, so a
+    cycle's search costs a few dictionary lookups whatever the context's length, and reads nothing from a device."""
+
+    def __init__(self, max_match: int, tokens: list[int] = ()):
+        self.max_match = max_match
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence with a follower
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append `tokens` to the context."""
+        first_new_end = max(len(self.tokens), 1)
+        self.tokens.extend(tokens)
+        for end in range(first_new_end, len(self.tokens)):  # windows ending at `end` now have a token after them
+            for size in range(1, min(self.max_match, end) + 1):
+                self.ends[tuple(self.tokens[end - size : end])] = end
+
+    def find(self, max_tokens: int) -> tuple[list[int], int]:
+        """The tokens that followed the most recent earlier occurrence of the context's longest suffix of at most
+        `max_match` tokens, at most `max_tokens` of them; `(continuation, match length)`, `([], 0)` when no suffix of
+        one token or more occurs earlier."""
+        length = len(self.tokens)
+        for size in range(min(self.max_match, length - 1), 0, -1):
+            end = self.ends.get(tuple(self.tokens[length - size :]))
+            if end is not None:
+                return self.tokens[end : end + max_tokens], size
+        return [], 0
+
+
+def find_continuation(tokens: list[int], max_match: int, max_tokens: int) -> tuple[list[int], int]:
+    """`ContextIndex.find` over `tokens` indexed at once."""
+    return ContextIndex(max_match, tokens).find(max_tokens)
 
 
 @dataclass(frozen=True)
@@ -55,12 +77,11 @@ class ContinuationAcceptance:
     def prior(cls, max_match: int) -> "ContinuationAcceptance":
         return cls(((1.0,) * _RATE_POSITIONS,) * max_match, ((2.0,) * _RATE_POSITIONS,) * max_match)
 
-    def log_rates(self, match: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """`[length]` log acceptance rates of the positions of a continuation found by a `match`-token match."""
+    def log_rates(self, match: int, length: int) -> list[float]:
+        """The `length` log acceptance rates of the positions of a continuation found by a `match`-token match."""
         accepted, proposed = self.accepted[match - 1], self.proposed[match - 1]
         last = _RATE_POSITIONS - 1
-        rates = [math.log(accepted[min(j, last)] / proposed[min(j, last)]) for j in range(length)]
-        return torch.tensor(rates, device=device)
+        return [math.log(accepted[min(j, last)] / proposed[min(j, last)]) for j in range(length)]
 
     def updated(self, match: int, kept: int, accepted: int) -> "ContinuationAcceptance":
         """After a cycle that verified the first `kept` continuation tokens of a `match`-token match and accepted the
@@ -89,41 +110,47 @@ def merge_continuation(
     continuation: torch.Tensor,
     log_rates: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge a continuation into a cycle's draft candidates (the arguments of `tree.build_tree`).
+    """Merge each row's continuation into its cycle's draft candidates (the arguments of `tree.build_tree`), with
+    shapes that do not depend on the data: every row gets `M` more candidates, those a continuation does not need
+    (its tokens that are draft candidates already, or past its end) scored `-inf`, so that no tree keeps them.
 
     Args:
-        tokens, scores, parents, depths: `[C]` the draft's candidates (target ids, cumulative log-probabilities,
+        tokens, scores, parents, depths: `[b, C]` the draft's candidates (target ids, cumulative log-probabilities,
             parent candidate index or -1 for the root's children, depth), parents before children.
-        continuation: `[m]` target ids proposed after the root.
-        log_rates: `[m]` log acceptance rate of each continuation position given the ones before it.
+        continuation: `[b, M]` target ids proposed after each row's root; -1 past a row's continuation.
+        log_rates: `[b, M]` log acceptance rate of each continuation position given the ones before it.
     Returns:
-        The merged candidates `(tokens, scores, parents, depths)`, still numbered parents before children, and `[m]`
-        the candidate index holding each continuation token.
+        The merged candidates `(tokens, scores, parents, depths)` `[b, C + M]`, still numbered parents before
+        children, and `[b, M]` the candidate index holding each continuation token (past its end: one never kept).
     """
+    batch, num_candidates = tokens.shape
+    positions = continuation.shape[1]
     scores = scores.clone()
-    parent, parent_score = -1, 0.0
-    chain = []
-    for position in range(continuation.numel()):
-        same = ((parents == parent) & (tokens == continuation[position])).nonzero()
-        if same.numel() == 0:  # the rest hangs below `parent` as new candidates
-            rest = continuation[position:]
-            new_scores = (parent_score + log_rates[position:].cumsum(0)).to(scores.dtype)
-            first = tokens.numel()
-            new_ids = torch.arange(first, first + rest.numel(), device=tokens.device)
-            new_parents = torch.cat([new_ids.new_full((1,), parent), new_ids[:-1]])
-            new_depths = position + 1 + torch.arange(rest.numel(), device=tokens.device)
-            return (
-                torch.cat([tokens, rest]),
-                torch.cat([scores, new_scores]),
-                torch.cat([parents, new_parents]),
-                torch.cat([depths, new_depths.to(depths.dtype)]),
-                torch.cat([tokens.new_tensor(chain), new_ids]),
-            )
-        parent = int(same[0])
-        parent_score = max(float(scores[parent]), parent_score + float(log_rates[position]))
-        scores[parent] = parent_score
+    parent = parents.new_full((batch,), -1)  # the candidate holding the previous continuation token (-1: the root)
+    parent_score = scores.new_zeros(batch)
+    agreeing = torch.ones(batch, dtype=torch.bool, device=tokens.device)  # every token so far is a draft candidate
+    chain, new_scores, new_parents = [], [], []
+    for position in range(positions):
+        same = (parents == parent[:, None]) & (tokens == continuation[:, position, None])  # [b, C]: at most one
+        agreeing = agreeing & same.any(-1)
+        candidate = same.int().argmax(-1)
+        estimate = parent_score + log_rates[:, position]
+        current = scores.gather(-1, candidate[:, None])[:, 0]
+        agreed_score = torch.maximum(current, estimate)
+        scores.scatter_(-1, candidate[:, None], torch.where(agreeing, agreed_score, current)[:, None])
+        new_scores.append(torch.where(agreeing, -torch.inf, estimate))
+        new_parents.append(parent)
+        parent = torch.where(agreeing, candidate, num_candidates + position)
+        parent_score = torch.where(agreeing, agreed_score, estimate)
         chain.append(parent)
-    return tokens, scores, parents, depths, tokens.new_tensor(chain)
+    new_depths = torch.arange(1, positions + 1, device=tokens.device).expand(batch, -1)
+    return (
+        torch.cat([tokens, continuation.clamp_min(0)], dim=-1),
+        torch.cat([scores, torch.stack(new_scores, dim=-1).to(scores.dtype)], dim=-1),
+        torch.cat([parents, torch.stack(new_parents, dim=-1)], dim=-1),
+        torch.cat([depths, new_depths.to(depths.dtype)], dim=-1),
+        torch.stack(chain, dim=-1),
+    )
 
 
-__all__ = ["ContinuationAcceptance", "find_continuation", "merge_continuation"]
+__all__ = ["ContextIndex", "ContinuationAcceptance", "find_continuation", "merge_continuation"]

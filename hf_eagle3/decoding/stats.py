@@ -132,16 +132,39 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class Stopwatch:
-    """Accumulates wall time into fields of the stats; synchronises CUDA so that the split is real."""
+    """Accumulates the time of a call's parts into fields of the stats. Where the split is read as the call goes
+    (`measured`: the online check weighs every cycle's), it synchronises the device around each part, so that the
+    split is real; otherwise, on CUDA, it records events, read once at the end of the call (`finish`), so that timing
+    costs the loop no wait. On a CPU the wall clock is the split."""
 
-    def __init__(self, stats: Eagle3GenerationStats, device: torch.device):
+    def __init__(self, stats: Eagle3GenerationStats, device: torch.device, measured: bool):
         self.stats = stats
-        self.synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.device = device
+        self.synchronize = device.type == "cuda" and measured
+        self.events: list[tuple[str, object, object]] | None = [] if device.type == "cuda" and not measured else None
 
     @contextlib.contextmanager
     def time(self, field_name: str):
-        self.synchronize()
+        if self.events is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((field_name, start, end))
+            return
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         yield
-        self.synchronize()
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
         setattr(self.stats, field_name, getattr(self.stats, field_name) + time.perf_counter() - start)
+
+    def finish(self) -> None:
+        """Add up the recorded events (one wait for the device, at the end of the call)."""
+        if not self.events:
+            return
+        torch.cuda.synchronize(self.device)
+        for field_name, start, end in self.events:
+            setattr(self.stats, field_name, getattr(self.stats, field_name) + start.elapsed_time(end) / 1000)
+        self.events.clear()

@@ -46,22 +46,23 @@ class TargetAttention:
                 "mask it cannot reproduce node by node): strip the padding, or drop exact_attention."
             )
 
-    def verification_kwargs(self, trees: list[DraftTree], prefix_length: int) -> dict:
-        """The keyword arguments of the verification forward of `trees` after `prefix_length` cache entries that say
-        how it attends, beyond its masks: with `exact`, each node's keys (`exact_attention.TreeKeyLayout`)."""
-        return {KEYWORD: TreeKeyLayout.of(trees[0], prefix_length)} if self.exact else {}
+    def verification_kwargs(self, tree: DraftTree, prefix_length: int) -> dict:
+        """The keyword arguments of the verification forward of `tree` (one row's: `exact` verifies one sequence)
+        after `prefix_length` cache entries that say how it attends, beyond its masks: with `exact`, each node's keys
+        (`exact_attention.TreeKeyLayout`)."""
+        return {KEYWORD: TreeKeyLayout.of(tree.row(0), prefix_length)} if self.exact else {}
 
     def check_verified(self, model, verification_kwargs: dict) -> None:
         """Raise if the forward did not attend as `verification_kwargs` asked."""
         if KEYWORD in verification_kwargs:
             check_applied(model, verification_kwargs[KEYWORD])
 
-    def verification_mask(self, trees: list[DraftTree], prefix_visible: torch.Tensor, key_positions: torch.Tensor,
+    def verification_mask(self, ancestors: torch.Tensor, prefix_visible: torch.Tensor, key_positions: torch.Tensor,
                           dtype: torch.dtype, key_length: int | None = None):
-        """Masks of one tree per row, each over its row's visible prefix (`[B, P]`); `key_positions` `[B, P + n]`
-        are the positions of the prefix's cache entries and of the nodes (what a sliding window is measured in).
-        `key_length`: a static cache's length, whose entries past the nodes are hidden (full attention only)."""
-        ancestors = torch.stack([tree.ancestors for tree in trees])
+        """Masks of one tree per row (`ancestors` `[B, n, n]`), each over its row's visible prefix (`[B, P]`);
+        `key_positions` `[B, P + n]` are the positions of the prefix's cache entries and of the nodes (what a sliding
+        window is measured in). `key_length`: a static cache's length, whose entries past the nodes are hidden (full
+        attention only)."""
         if self.sliding_window is None:
             mask = tree_attention_mask(ancestors, prefix_visible, dtype)
             if key_length is None:

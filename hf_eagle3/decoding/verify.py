@@ -14,8 +14,12 @@ Sampling, both rules lossless (the emitted token is distributed exactly as the t
   children are tried in order, each by the rule of its own proposal (`q`, or a point mass), each against what is left
   of `p` after the rejections before it. This is multi-draft speculative sampling with independent proposals.
 
-`accept_argmax` (greedy, raw logits) and `accept_walk` (a walk down the tree by a rule: `greedy_pick`,
-`sampling_pick`, over the target's processed scores: `processed_scores`) verify a whole tree.
+`accept_argmax` (greedy) and `accept_sampling` (speculative sampling among deterministic candidates) verify every
+row's tree at once, as tensors whose shapes do not depend on what was accepted, so that the device is never waited
+on: the decoding loop reads one small tensor back per cycle. `node_scores` gives them the target's processed scores
+at every node in one logits-processor call, where the processors do not read the sequence (temperature, top-k,
+top-p, ...). Where they do (a repetition penalty, ...) or chains were sampled from the draft, `accept_walk` walks
+each row's tree by a rule (`greedy_pick`, `sampling_pick`, over `processed_scores`), node by node.
 """
 
 from collections.abc import Callable
@@ -26,20 +30,33 @@ import torch
 from .tree import DraftTree
 
 
-def greedy_accept(tree: DraftTree, target_choices: torch.Tensor) -> torch.Tensor:
-    """Node indices of the accepted path, root first.
+def greedy_paths(tree: DraftTree, target_choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's accepted path: the longest root-to-node path whose every token is the target's choice after its
+    parent.
 
     Args:
-        tree: the verified tree.
-        target_choices: `[N + 1]` the target's greedy token after each node.
+        tree: the verified trees (`[b, N + 1]` nodes).
+        target_choices: `[b, N + 1]` the target's greedy token after each node.
     Returns:
-        `[m]` node indices (root first). The bonus token is `target_choices[path[-1]]`.
+        `(lengths, path)`: `[b]` nodes on each path (root included) and `[b, D + 1]` their indices (`tree_path`).
+        The bonus token is the choice after the path's last node.
     """
-    token_matches = tree.tokens == target_choices[tree.parents]  # [N + 1]
-    token_matches[0] = True
-    path_matches = ~(tree.ancestors & ~token_matches[None, :]).any(dim=-1)  # every node on the path matches
-    deepest = torch.where(path_matches, tree.depths, -1).argmax()
-    return tree.ancestors[deepest].nonzero().squeeze(-1)
+    token_matches = tree.tokens == target_choices.gather(-1, tree.parents)  # [b, N + 1]
+    token_matches[:, 0] = True
+    path_matches = ~(tree.ancestors & ~token_matches[:, None, :]).any(dim=-1)  # every node on the path matches
+    deepest = torch.where(path_matches, tree.depths, -1).argmax(-1)  # [b]
+    return tree_path(tree, deepest)
+
+
+def tree_path(tree: DraftTree, node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The path from the root to `node` (`[b]`) of each row: `[b]` its length in nodes and `[b, D + 1]` its node
+    indices, root first, the last repeated past the length (`D = tree.max_depth`): a fixed shape."""
+    on_path = tree.ancestors.gather(1, node[:, None, None].expand(-1, 1, tree.num_nodes))[:, 0]  # [b, N + 1]
+    # nodes are ordered by depth, so a path's nodes in index order are in root-to-node order
+    indices = torch.arange(tree.num_nodes, device=node.device)
+    ordered = torch.where(on_path, indices, tree.num_nodes).sort(-1).values[:, : tree.max_depth + 1]
+    lengths = tree.depths.gather(-1, node[:, None])[:, 0] + 1
+    return lengths, torch.where(ordered < tree.num_nodes, ordered, node[:, None])
 
 
 def children(tree: DraftTree, node: int) -> torch.Tensor:
@@ -106,13 +123,15 @@ def accept_in_turn(
 
 @dataclass
 class Acceptance:
-    """What verifying one tree decided: the accepted node indices `path` (`[m]`, root first), the `bonus` token
-    (`[1]`, the target's own after the path) and the processed `scores` (`[m, V]`) that chose the `m` emitted tokens
-    (the path's drafted tokens, then the bonus)."""
+    """What verifying every row's tree decided: `lengths` `[b]` the tokens each row emits (its accepted drafted
+    tokens and the bonus token, the target's own after them), `path` `[b, W]` the accepted node indices (root first;
+    `lengths` of them, the last repeated after), `tokens` `[b, W]` the emitted tokens (`lengths` of them) and, where
+    asked for, `scores` `[b, W, V]`, the processed scores that chose them."""
 
+    lengths: torch.Tensor
     path: torch.Tensor
-    bonus: torch.Tensor
-    scores: torch.Tensor
+    tokens: torch.Tensor
+    scores: torch.Tensor | None
 
 
 # `scores_after(path)`: the target's processed scores `[V]` after the last node of `path` (node indices, root first)
@@ -121,23 +140,96 @@ ScoresAfter = Callable[[list[int]], torch.Tensor]
 Pick = Callable[[torch.Tensor, torch.Tensor], tuple[int | None, torch.Tensor | None]]
 
 
-def accept_argmax(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    """Greedy verification over the target's raw logits `[N + 1, V]` at the tree's nodes (no logits processors)."""
+def sample(probs: torch.Tensor) -> torch.Tensor:
+    """One draw from each distribution `probs` `[..., V]`: the index of the largest `p / E` over independent
+    exponential `E`, which is distributed as `p` (the smallest of independent exponentials of rates `p` is index `i`
+    with probability `p_i`); unlike `torch.multinomial`, nothing is read back from the device."""
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+
+def accept_argmax(tree: DraftTree, scores: torch.Tensor, keep_scores: bool = False) -> Acceptance:
+    """Greedy verification of every row over the target's scores `[b, N + 1, V]` at its nodes (raw logits, or
+    processed ones)."""
     # `max(-1).indices` is argmax with the same first-index tie rule, several times faster on bf16 CPU tensors
-    target_choices = logits.max(-1).indices  # [N + 1]
-    path = greedy_accept(tree, target_choices)
-    return Acceptance(path, target_choices[path[-1], None], logits[path].float())
+    target_choices = scores.max(-1).indices  # [b, N + 1]
+    lengths, path = greedy_paths(tree, target_choices)
+    return _acceptance(lengths, path, target_choices.gather(-1, path), scores, keep_scores)
 
 
-def accept_walk(tree: DraftTree, scores_after: ScoresAfter, pick: Pick) -> Acceptance:
-    """Walk down from the root, at each node accepting the child `pick` chooses, until it chooses the bonus token."""
+def accept_sampling(tree: DraftTree, scores: torch.Tensor, keep_scores: bool = False) -> Acceptance:
+    """Speculative sampling down every row's tree of deterministic candidates (`accept_among_children` at each node),
+    decided for every node at once: node `x` is accepted, when tried, with probability `p'(x)` under its parent's
+    distribution `p` with `x`'s earlier siblings removed and renormalised; the path follows each node's first accepted
+    child; the bonus token is drawn from the last node's `p` without its children. The decisions of nodes off the
+    path are drawn and never used, so the path is distributed as the node-by-node walk's."""
+    probs = scores.float().softmax(-1)  # [b, N + 1, V]
+    batch, num_nodes, vocab = probs.shape
+    nodes = torch.arange(num_nodes, device=probs.device)
+    child_probs = probs.flatten(1).gather(1, tree.parents * vocab + tree.tokens)  # [b, N + 1]: p_parent(x)
+    siblings = (tree.parents[:, :, None] == tree.parents[:, None, :]) & (nodes[None, :, None] > nodes[None, None, :])
+    siblings[:, :, 0] = False  # the root is its own parent, nobody's sibling
+    rejected_before = (siblings * child_probs[:, None, :]).sum(-1)  # mass of the earlier siblings
+    accepted = torch.rand(batch, num_nodes, device=probs.device) * (1.0 - rejected_before) < child_probs
+    accepted[:, 0] = False
+    child_of = (tree.parents[:, None, :] == nodes[None, :, None]) & (nodes[None, None, :] > 0)  # [b, parent, node]
+    taken = child_of & accepted[:, None, :]
+    first_child = torch.where(taken.any(-1), taken.int().argmax(-1), -1)  # [b, N + 1]
+    node = nodes.new_zeros(batch)
+    for _ in range(tree.max_depth):
+        child = first_child.gather(1, node[:, None])[:, 0]
+        node = torch.where(child >= 0, child, node)
+    lengths, path = tree_path(tree, node)
+    last = probs.gather(1, node[:, None, None].expand(-1, 1, vocab))[:, 0]  # [b, V]
+    rejected_tokens = torch.zeros_like(last).scatter_add_(
+        1, tree.tokens, child_of.gather(1, node[:, None, None].expand(-1, 1, num_nodes))[:, 0].float()) > 0
+    residual = last.masked_fill(rejected_tokens, 0.0)
+    total = residual.sum(-1, keepdim=True)
+    # Zero mass left only through float rounding (the rejected candidates held all of p): keep p itself.
+    bonus = sample(torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), last))
+    tokens = tree.tokens.gather(1, path[:, 1:].clamp_min(0))
+    tokens = torch.cat([tokens, tokens[:, -1:]], dim=1).scatter(1, (lengths - 1)[:, None], bonus[:, None])
+    return _acceptance(lengths, path, tokens, scores, keep_scores)
+
+
+def _acceptance(lengths: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
+                keep_scores: bool) -> Acceptance:
+    path_scores = scores.gather(1, path[..., None].expand(-1, -1, scores.shape[-1])).float() if keep_scores else None
+    return Acceptance(lengths, path, tokens, path_scores)
+
+
+def stacked(walks: list["Walk"], width: int) -> Acceptance:
+    """The `Acceptance` of rows walked one by one (`accept_walk`), padded to `width` nodes."""
+    paths = torch.stack([walk.path[torch.arange(width, device=walk.path.device).clamp_max(walk.path.numel() - 1)]
+                         for walk in walks])
+    tokens = torch.stack([torch.cat([walk.tokens, walk.tokens[-1:].expand(width - walk.tokens.numel())])
+                          for walk in walks])
+    scores = torch.stack([torch.cat([walk.scores, walk.scores[-1:].expand(width - walk.scores.shape[0], -1)])
+                          for walk in walks])
+    lengths = torch.stack([torch.tensor(walk.path.numel(), device=paths.device) for walk in walks])
+    return Acceptance(lengths, paths, tokens, scores)
+
+
+@dataclass
+class Walk:
+    """One row's walk down its tree: the accepted node indices `path` (`[m]`, root first), the emitted `tokens`
+    (`[m]`: the path's drafted tokens, then the bonus) and the processed `scores` (`[m, V]`) that chose them."""
+
+    path: torch.Tensor
+    tokens: torch.Tensor
+    scores: torch.Tensor
+
+
+def accept_walk(tree: DraftTree, scores_after: ScoresAfter, pick: Pick) -> Walk:
+    """Walk down one tree (no batch dimension) from the root, at each node accepting the child `pick` chooses, until
+    it chooses the bonus token."""
     path, path_scores = [0], []
     while True:
         scores = scores_after(path)
         path_scores.append(scores)
         child, bonus = pick(scores, children(tree, path[-1]))
         if child is None:
-            return Acceptance(torch.tensor(path, device=scores.device), bonus, torch.stack(path_scores))
+            path = torch.tensor(path, device=scores.device)
+            return Walk(path, torch.cat([tree.tokens[path[1:]], bonus]), torch.stack(path_scores))
         path.append(child)
 
 
@@ -161,7 +253,7 @@ def sampling_pick(tree: DraftTree, draft_probs: torch.Tensor | None = None, samp
     def pick(scores: torch.Tensor, child_nodes: torch.Tensor):
         probs = scores.softmax(-1)
         if child_nodes.numel() == 0:
-            return None, torch.multinomial(probs, 1)
+            return None, sample(probs)[None]
         if sampled is None:
             index, residual = accept_among_children(
                 probs, tree.tokens[child_nodes], torch.rand(child_nodes.numel(), device=probs.device)
@@ -177,7 +269,7 @@ def sampling_pick(tree: DraftTree, draft_probs: torch.Tensor | None = None, samp
             )
         if index >= 0:
             return int(child_nodes[index]), None
-        return None, torch.multinomial(residual, 1)
+        return None, sample(residual)[None]
 
     return pick
 
@@ -196,6 +288,28 @@ def processed_scores(logits_processor, sequence: torch.Tensor, tree: DraftTree, 
         return logits_processor(prefix, node_logits)[row]
 
     return scores_after
+
+
+# Logits processors whose scores do not depend on the sequence (`input_ids`): one call scores every node of a cycle.
+SEQUENCE_FREE_PROCESSORS = (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
+    "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "LogitNormalization",
+    "SuppressTokensLogitsProcessor", "InfNanRemoveLogitsProcessor",
+)
+
+
+def reads_sequence(logits_processor) -> bool:
+    """Whether any of the processors may depend on the sequence (an unknown one may)."""
+    return any(type(processor).__name__ not in SEQUENCE_FREE_PROCESSORS
+               or type(processor).__module__ != "transformers.generation.logits_process"
+               for processor in logits_processor)
+
+
+def node_scores(logits_processor, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    """The processed scores `[b, N + 1, V]` at every node from the raw `logits`, in one call of processors that do not
+    read the sequence (`reads_sequence` false)."""
+    batch, num_nodes, vocab = logits.shape
+    return logits_processor(tree.tokens.reshape(-1, 1), logits.reshape(-1, vocab).float()).view(batch, num_nodes, vocab)
 
 
 def _normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
