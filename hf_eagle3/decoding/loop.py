@@ -257,16 +257,14 @@ def compact(run: Run, state: BatchState, proposal: DraftProposal, acceptance: Ac
             lengths: list[int], emitted: Emitted) -> BatchState:
     """The accepted positions' features go to the proposer; each row keeps its accepted cache entries, and rows that
     accepted fewer leave entries their mask hides from now on."""
-    path, width = acceptance.path, acceptance.path.shape[1]
-    offsets = torch.arange(width, device=run.device)
+    longest = max(lengths)
+    path, offsets = acceptance.path[:, :longest], torch.arange(longest, device=run.device)
     verified = Verified(state.root_positions[:, None] + offsets,
-                        features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])), acceptance.tokens,
-                        offsets[None] < acceptance.lengths[:, None])
+                        features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])),
+                        acceptance.tokens[:, :longest], offsets[None] < acceptance.lengths[:, None])
     with run.stopwatch.time("draft_seconds"):
         state.proposer.accepted(verified, emitted)
-    longest = max(lengths)
-    keep_cache_entries(state.cache, state.cache_length, path[:, :longest],
-                       state.cache_length + proposal.tree.num_nodes)
+    keep_cache_entries(state.cache, state.cache_length, path, state.cache_length + proposal.tree.num_nodes)
     return state.advance(acceptance.lengths, longest)
 
 
