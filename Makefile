@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test interop
+.PHONY: demo lint test interop engines
 
 $(BIN)/hf-eagle3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,3 +30,8 @@ test: lint
 # hf-eagle3 against the published speculators and SpecForge (docs/interop.md); builds .interop-venv from the registry
 interop: $(BIN)/hf-eagle3
 	$(BIN)/python tests/interop/run.py
+
+# the shipped draft, as save_pretrained writes it, served by vLLM CPU against hf-eagle3 (docs/interop.md); builds vLLM's
+# own virtualenv under the user cache from the registry on first use
+engines: $(BIN)/hf-eagle3
+	$(BIN)/python tests/engines/run.py

@@ -11,7 +11,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Llama4TextConfig, LlamaConfig, PreTrainedConfig, Qwen3Config
 
-from ..configuration_eagle3 import SERVED_SETTINGS_KEY, Eagle3Config
+from ..configuration_eagle3 import SERVED_SETTINGS_KEY, Eagle3Config, last_layer_tap_refusal, served_target_layer_ids
 from .checkpoint import ConversionError, ReadOptions
 
 # Llama config fields of the draft's decoder layer that `Eagle3Config` holds under the same name.
@@ -142,25 +142,13 @@ def option_fields(config: dict[str, Any]) -> dict[str, bool]:
     return {name: bool(config[name]) for name in OPTION_FIELDS if config.get(name) is not None}
 
 
-def target_layer_ids(config: dict[str, Any]) -> list[int] | None:
-    """The tapped target layers of a `LlamaForCausalLMEagle3` config, as sorted `hidden_states` indices.
-
-    SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` (outputs of layers); vLLM prefers a top-level
-    `eagle_aux_hidden_state_layer_ids`, which it reads as `hidden_states` indices. Both present and disagreeing:
-    the engines would feed the draft different layers, so it is refused.
-    """
-    nested = hf_layer_ids((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
-    top_level = config.get("eagle_aux_hidden_state_layer_ids")
-    top_level = sorted(top_level) if top_level else None
-    if nested and top_level and nested != top_level:
-        raise ConversionError(
-            "The config lists eagle_aux_hidden_state_layer_ids twice: top-level "
-            f"{config['eagle_aux_hidden_state_layer_ids']} (hidden_states indices, as vLLM reads it) and in "
-            f"eagle_config {config['eagle_config']['eagle_aux_hidden_state_layer_ids']} (outputs of layers, "
-            f"hidden_states {nested}, as SGLang reads it). They disagree, so which layers the draft was trained on is "
-            "unknown: remove the one that is wrong."
-        )
-    return top_level or nested
+def target_layer_ids(config: dict[str, Any], source: str = "config.json") -> list[int] | None:
+    """The tapped target layers of a `LlamaForCausalLMEagle3` config (`source`), as sorted `hidden_states` indices:
+    `served_target_layer_ids`, the one reader of every path, which refuses keys that disagree."""
+    try:
+        return served_target_layer_ids(config, source)
+    except ValueError as error:
+        raise ConversionError(str(error)) from error
 
 
 def head_fields(fields: dict[str, Any], settings: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -254,11 +242,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def hf_layer_ids(output_of_layer_ids: list[int] | None) -> list[int] | None:
-    """Output-of-layer numbers (SpecForge, SGLang, ModelOpt; any order) -> sorted `hidden_states` indices."""
-    return None if output_of_layer_ids is None else sorted(i + 1 for i in output_of_layer_ids)
-
-
 def output_of_layer_ids(hf_ids: list[int]) -> list[int]:
     """`hidden_states` indices -> the output-of-layer numbers SpecForge and SGLang store."""
     return [i - 1 for i in hf_ids]
@@ -301,28 +284,9 @@ def layers_named(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
     return named
 
 
-def last_layer_tap_refusal(config: Eagle3Config, what: str) -> str | None:
-    """Why a draft that reads the output of the target's last layer cannot move between hf-eagle3 and the engines
-    (`None` for any other draft).
-
-    SGLang and vLLM capture that output before the target's final norm; transformers' `hidden_states[N]`, which
-    `Eagle3DraftModel` is fed, comes after it.
-    """
-    num_layers = config.target_num_hidden_layers
-    if num_layers is None or num_layers not in (config.target_layer_ids or []):
-        return None
-    return (
-        f"The draft's target layers include the output of the target's last layer (hidden_states index "
-        f"{num_layers} of an {num_layers}-layer target; {num_layers - 1} in output-of-layer numbering). SGLang "
-        f"and vLLM take it before the target's final norm, transformers' hidden_states[{num_layers}] after it, "
-        f"and hf-eagle3 does not capture the pre-norm tensor: {what} would read another tensor than it was "
-        "trained on, so it is refused."
-    )
-
-
 def refuse_last_layer_tap(config: Eagle3Config, what: str) -> None:
-    """Raise `last_layer_tap_refusal`'s reason, if any."""
-    reason = last_layer_tap_refusal(config, what)
+    """Raise `last_layer_tap_refusal`'s reason for the draft `config` describes, if any."""
+    reason = last_layer_tap_refusal(config.target_layer_ids, config.target_num_hidden_layers, what)
     if reason is not None:
         raise ConversionError(reason)
 

@@ -35,7 +35,7 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
     eagle_config = source.config.get("eagle_config") or {}
     refuse_unfaithful("ModelOpt", eagle_config, UNFAITHFUL_SETTINGS)
     fields = draft_fields("modelopt", source.config, source.config, options)
-    fields["target_layer_ids"] = target_layer_ids(source.config)
+    fields["target_layer_ids"] = target_layer_ids(source.config, str(source.path / "config.json"))
     fields.update(head_fields(fields, source.config, source.tensors))
     fields["num_hidden_layers"] = layer_count(source.tensors, "layers.", source.config.get("num_hidden_layers"))
     return DraftCheckpoint.build(fields, layers_renamed(source.tensors, "layers."), target)

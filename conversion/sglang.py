@@ -2,8 +2,9 @@
 
 Weights use our names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, optional `embed_tokens`), saved as
 safetensors. The config is a Llama config plus `draft_vocab_size`, `target_hidden_size` and
-`eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as *outputs* of target layers (or a top-level
-`eagle_aux_hidden_state_layer_ids` in `hidden_states` indices, which vLLM reads). AngelSlim writes the same files
+`eagle_config.eagle_aux_hidden_state_layer_ids`, numbered as *outputs* of target layers (which SGLang reads), and a
+top-level `eagle_aux_hidden_state_layer_ids` in `hidden_states` indices (which vLLM and llama.cpp read): the export
+writes both, and a config whose keys disagree is refused. AngelSlim writes the same files
 under vLLM's architecture name `Eagle3LlamaForCausalLM`, without layer ids. EAGLE 3.1 drafts set `fc_norm` (weights
 `fc_norm.{0,1,2}`) and `norm_output`, read in SpecForge's current meaning (the state fed back is taken after the final
 norm; SpecForge 0.2.0 meant "final norm before lm_head"), which the export never writes: its absence is plain EAGLE-3
@@ -22,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import configuration_eagle3, modeling_eagle3
-from ..configuration_eagle3 import SERVED_ARCHITECTURE, Eagle3Config
+from ..configuration_eagle3 import LAYER_IDS_KEY, SERVED_ARCHITECTURE, Eagle3Config, last_layer_tap_refusal
 from .checkpoint import CheckpointFormat, ConversionError, DraftCheckpoint, ReadOptions, SourceFiles, TargetInfo
 from .fields import (
     carried_fields,
     draft_fields,
     dtype_name,
     head_fields,
-    last_layer_tap_refusal,
     llama_fields,
     option_fields,
     output_of_layer_ids,
@@ -83,7 +83,7 @@ def read(source: SourceFiles, target: TargetInfo, options: ReadOptions) -> Draft
             "implements; the draft is refused rather than converted into another function."
         )
     fields = draft_fields("sglang", source.config, source.config, options) | option_fields(source.config)
-    fields["target_layer_ids"] = target_layer_ids(source.config)
+    fields["target_layer_ids"] = target_layer_ids(source.config, str(source.path / "config.json"))
     if "norm_output" in source.config:
         fields["converted_from"]["notes"].append(_NORM_OUTPUT_READINGS[bool(source.config["norm_output"])])
     for name in ("norm_before_residual", "norm_before_fc"):
@@ -102,7 +102,8 @@ def refusal(config: Eagle3Config) -> str | None:
             "draft.config.target_num_hidden_layers to its target's layer count (or run it once in its target's "
             "generate, which records them)."
         )
-    tapping_last_layer = last_layer_tap_refusal(config, "the draft served by SGLang")
+    tapping_last_layer = last_layer_tap_refusal(config.target_layer_ids, config.target_num_hidden_layers,
+                                                "the draft served by SGLang")
     if tapping_last_layer is not None:
         return tapping_last_layer
     settings = [f"{name}=True" for name in SGLANG_IGNORES if getattr(config, name)]
@@ -144,10 +145,9 @@ def served_config(checkpoint: DraftCheckpoint) -> dict[str, Any]:
         "fc_norm": config.fc_norm,
         # No norm_output key: SpecForge 0.2.0 reads its absence as "final norm before lm_head", later SpecForge as
         # "the pre-norm state fed back"; together, plain EAGLE-3 in every version.
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": output_of_layer_ids(config.target_layer_ids),
-            "use_aux_hidden_state": True,
-        },
+        # The target layers in both numberings the engines read (`served_target_layer_ids` reads them back).
+        LAYER_IDS_KEY: list(config.target_layer_ids),
+        "eagle_config": {LAYER_IDS_KEY: output_of_layer_ids(config.target_layer_ids), "use_aux_hidden_state": True},
         "torch_dtype": dtype_name(checkpoint.dtype),
         **carried_fields(config),
         # `AutoModel.from_pretrained(repo, trust_remote_code=True)` builds the draft from the copy of our modeling

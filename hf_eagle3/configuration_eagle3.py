@@ -17,6 +17,9 @@ MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_NGRAM_MATCH = 64, 512, 64
 # acceptance profile, n-gram settings, target) under `SERVED_SETTINGS_KEY`, which they ignore.
 SERVED_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SERVED_SETTINGS_KEY = "hf_eagle3"
+# The served layout records the target layers twice, one key for each numbering the engines read: the top-level key in
+# `hidden_states` indices (vLLM, llama.cpp) and `eagle_config`'s in output-of-layer numbers (SGLang, SpecForge).
+LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 
 
 @strict
@@ -231,7 +234,8 @@ class Eagle3Config(PreTrainedConfig):
         fields (`served_layout_fields`)."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         if is_served_layout(config_dict):
-            config_dict = {"model_type": cls.model_type, **served_layout_fields(config_dict)}
+            source = f"{pretrained_model_name_or_path}/config.json"
+            config_dict = {"model_type": cls.model_type, **served_layout_fields(config_dict, source)}
         return config_dict, kwargs
 
     def __post_init__(self, **kwargs):
@@ -327,19 +331,82 @@ def is_served_layout(config_dict: dict) -> bool:
         config_dict.get(SERVED_SETTINGS_KEY), dict)
 
 
-def served_layout_fields(config_dict: dict) -> dict:
+def served_layout_fields(config_dict: dict, source: str = "config.json") -> dict:
     """The `Eagle3Config` fields of a draft hf-eagle3 saved in the served layout (`is_served_layout`).
 
     This file reads that layout on its own because it is also the remote code of saved drafts, which cannot import
     hf-eagle3's converters; those read any SpecForge / SGLang draft, hf-eagle3's among them, to the same fields.
     """
-    eagle_config = config_dict.get("eagle_config") or {}
-    output_of_layers = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    settings = config_dict[SERVED_SETTINGS_KEY]
     fields = {name: value for name, value in config_dict.items()
               if name in Eagle3Config.__annotations__ or name in ("dtype", "torch_dtype")}
-    if output_of_layers is not None:  # SpecForge numbers the output of layer i, our hidden_states index i + 1
-        fields["target_layer_ids"] = sorted(i + 1 for i in output_of_layers)
-    return {**fields, **config_dict[SERVED_SETTINGS_KEY]}
+    fields = {**fields, **settings, "target_layer_ids": served_target_layer_ids(config_dict, source)}
+    refusal = last_layer_tap_refusal(fields["target_layer_ids"], settings.get("target_num_hidden_layers"),
+                                     f"hf-eagle3 reading {source}")
+    if refusal is not None:
+        raise ValueError(refusal)
+    return fields
+
+
+def served_target_layer_ids(config_dict: dict, source: str = "config.json") -> list[int] | None:
+    """The target layers the served-layout (SpecForge / SGLang) `config.json` contents `config_dict` record, as sorted
+    `hidden_states` indices; `None` when no key records them. Every path reads them here (`from_pretrained`,
+    `hf-eagle3 convert`, `push`); `save_pretrained` writes the two engine keys.
+
+    Three keys may record them, each read in its own numbering: the top-level `eagle_aux_hidden_state_layer_ids`
+    (`hidden_states` indices, which vLLM and llama.cpp read), `eagle_config.eagle_aux_hidden_state_layer_ids`
+    (outputs of layers, `hidden_states` index i + 1, which SGLang reads) and `target_layer_ids` under
+    `SERVED_SETTINGS_KEY` (`hidden_states` indices; hf-eagle3 never writes it there). Keys that disagree would have
+    the engines feed the draft different layers, silently: refused, naming `source`, the values and the fix.
+    """
+    eagle_config = config_dict.get("eagle_config") or {}
+    settings = config_dict.get(SERVED_SETTINGS_KEY) or {}
+    recorded = {  # key: (value as written, as hidden_states indices)
+        key: (value, _layer_ids(key, value, shift, source))
+        for key, value, shift in (
+            (LAYER_IDS_KEY, config_dict.get(LAYER_IDS_KEY), 0),
+            (f"eagle_config.{LAYER_IDS_KEY}", eagle_config.get(LAYER_IDS_KEY), 1),
+            (f"{SERVED_SETTINGS_KEY}.target_layer_ids", settings.get("target_layer_ids"), 0),
+        )
+        if value is not None
+    }
+    readings = {tuple(ids) for _, ids in recorded.values()}
+    if len(readings) > 1:
+        listed = "; ".join(f"{key} = {value} (hidden_states {ids})" for key, (value, ids) in recorded.items())
+        raise ValueError(
+            f"{source} records the draft's target layers in keys that disagree: {listed}. vLLM and llama.cpp read the "
+            f"top-level {LAYER_IDS_KEY}, SGLang eagle_config's (outputs of layers: hidden_states index i + 1), so the "
+            "engines would feed the draft different layers. Keep the key that holds the layers the draft was trained "
+            "on, delete the others, load the draft and save it again with save_pretrained (which writes both "
+            "engine keys)."
+        )
+    return list(readings.pop()) if readings else None
+
+
+def _layer_ids(key: str, value, shift: int, source: str) -> list[int]:
+    """`value`, the target layers `key` records, as sorted `hidden_states` indices (`shift` added to each)."""
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ValueError(f"{source}: {key} must be a list of integer layer ids, got {value!r}. Restore the draft's "
+                         "config.json from its source or save the draft again with save_pretrained.")
+    return sorted(i + shift for i in value)
+
+
+def last_layer_tap_refusal(target_layer_ids: list[int] | None, num_layers: int | None, what: str) -> str | None:
+    """Why a draft that reads the output of its `num_layers`-layer target's last layer cannot move between
+    hf-eagle3 and the engines (`None` for any other draft, or when `num_layers` is unknown).
+
+    SGLang and vLLM capture that output before the target's final norm; transformers' `hidden_states[N]`, which
+    `Eagle3DraftModel` is fed, comes after it.
+    """
+    if num_layers is None or num_layers not in (target_layer_ids or []):
+        return None
+    return (
+        f"The draft's target layers include the output of the target's last layer (hidden_states index "
+        f"{num_layers} of an {num_layers}-layer target; {num_layers - 1} in output-of-layer numbering). SGLang "
+        f"and vLLM take it before the target's final norm, transformers' hidden_states[{num_layers}] after it, "
+        f"and hf-eagle3 does not capture the pre-norm tensor: {what} would read another tensor than it was "
+        "trained on, so it is refused."
+    )
 
 
 def default_target_layer_ids(num_layers: int) -> list[int]:
@@ -351,4 +418,11 @@ def default_target_layer_ids(num_layers: int) -> list[int]:
     return [num_layers // 4, num_layers // 2, num_layers - 1]
 
 
-__all__ = ["Eagle3Config", "default_target_layer_ids", "is_served_layout", "served_layout_fields"]
+__all__ = [
+    "Eagle3Config",
+    "default_target_layer_ids",
+    "is_served_layout",
+    "last_layer_tap_refusal",
+    "served_layout_fields",
+    "served_target_layer_ids",
+]

@@ -40,7 +40,7 @@ def test_top_level_layer_ids_are_read_as_vllm_reads_them(tmp_path):
 def test_layer_ids_that_disagree_between_engines_are_refused(tmp_path):
     sglang_fixture(tmp_path)  # eagle_config ids [1, 5, 8] = hidden_states [2, 6, 9]
     _rewrite(tmp_path, lambda config: config.update(eagle_aux_hidden_state_layer_ids=[1, 5, 8]))
-    with pytest.raises(ConversionError, match="eagle_aux_hidden_state_layer_ids twice.*remove the one"):
+    with pytest.raises(ConversionError, match="keys that disagree.*Keep the key that holds the layers"):
         convert(tmp_path, tmp_path / "hub")
     _rewrite(tmp_path, lambda config: config.update(eagle_aux_hidden_state_layer_ids=[2, 6, 9]))
     assert convert(tmp_path, tmp_path / "hub")[0].config.target_layer_ids == [2, 6, 9]

@@ -88,15 +88,12 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
 ):
     assert SAVED_FILES <= {path.name for path in saved_draft.iterdir()}
     assert SAVED_FILES <= {path.name for path in SHIPPED_DRAFT.iterdir()}
-    # The served layout names no AutoConfig: the engines read its config as the LlamaConfig it is, with
-    # trust_remote_code too. hf-eagle3's own layout (the shipped draft's) names both.
-    assert json.loads((saved_draft / "config.json").read_text())["auto_map"] == {
-        "AutoModel": "modeling_eagle3.Eagle3DraftModel",
-    }
-    assert json.loads((SHIPPED_DRAFT / "config.json").read_text())["auto_map"] == {
-        "AutoConfig": "configuration_eagle3.Eagle3Config",
-        "AutoModel": "modeling_eagle3.Eagle3DraftModel",
-    }
+    # The served layout (the shipped draft's too) names no AutoConfig: the engines read its config as the LlamaConfig
+    # it is, with trust_remote_code too.
+    for folder in (saved_draft, SHIPPED_DRAFT):
+        assert json.loads((folder / "config.json").read_text())["auto_map"] == {
+            "AutoModel": "modeling_eagle3.Eagle3DraftModel",
+        }
     shipped = tmp_path / "smollm2-eagle3"  # as downloaded from the Hub: custom_generate/ included
     shutil.copytree(SHIPPED_DRAFT, shipped)
     output = run_python(
@@ -120,7 +117,7 @@ def test_saved_and_shipped_drafts_load_with_trust_remote_code_where_hf_eagle3_is
         python=python_without_hf_eagle3,
         HF_HOME=str(tmp_path / "hf_home"),
     )
-    shipped_depth = json.loads((shipped / "config.json").read_text())["tree_depth"]
+    shipped_depth = json.loads((shipped / "config.json").read_text())["hf_eagle3"]["tree_depth"]
     assert output.splitlines() == [
         "transformers_modules Eagle3DraftModel torch.float32 4",
         f"transformers_modules Eagle3DraftModel torch.bfloat16 {shipped_depth}",

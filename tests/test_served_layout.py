@@ -9,11 +9,12 @@ import pytest
 import torch
 from conversion_fixtures import LLAMA3_SCALING
 from helpers import HIDDEN, VOCAB, tiny_draft
-from hf_eagle3.conversion import read_checkpoint
+from hf_eagle3.conversion import ConversionError, read_checkpoint
 from safetensors.torch import load_file
 from transformers import AutoConfig, GenerationConfig, LlamaConfig
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel
+from hf_eagle3.publishing.hub import upload_operations
 
 # What the files say about the layout, not about the draft.
 LAYOUT_FIELDS = ("_name_or_path", "architectures", "auto_map", "dtype", "transformers_version")
@@ -58,10 +59,10 @@ def test_save_pretrained_writes_the_layout_vllm_and_sglang_load_by_id(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["draft_vocab_size"] == 40 and config["vocab_size"] == VOCAB and config["num_hidden_layers"] == 1
-    assert config["eagle_config"] == {  # output-of-layer numbers: hidden_states [2, 4, 5] of the 8-layer target
-        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in draft.config.target_layer_ids],
-        "use_aux_hidden_state": True,
-    }
+    # The target layers in both numberings the engines read: hidden_states indices at the top level (vLLM, llama.cpp),
+    # output-of-layer numbers in eagle_config (SGLang): hidden_states [2, 4, 5] of the 8-layer target
+    assert config["eagle_aux_hidden_state_layer_ids"] == draft.config.target_layer_ids == [2, 4, 5]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
     assert "norm_output" not in config and config["tie_word_embeddings"] is False
     assert config["hf_eagle3"]["acceptance_profile"] == SETTINGS["acceptance_profile"]
     assert config["hf_eagle3"]["target_name_or_path"] == "org/target" and config["hf_eagle3"]["tree_shape"] == "auto"
@@ -147,3 +148,59 @@ def test_a_draft_that_records_no_target_layers_is_saved_in_hf_eagle3s_layout_nam
     draft.config.target_num_hidden_layers, draft.config.target_layer_ids = 8, [2, 4, 5]
     draft.save_pretrained(tmp_path)
     assert Eagle3DraftModel.from_pretrained(tmp_path).config.target_layer_ids == [2, 4, 5]
+
+
+def _edited_config(folder, edit) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_draft_saved_before_the_top_level_key_loads_with_eagle_configs_layers(tmp_path):
+    tiny_draft(**SETTINGS).save_pretrained(tmp_path)
+    _edited_config(tmp_path, lambda config: config.pop("eagle_aux_hidden_state_layer_ids"))
+    assert Eagle3DraftModel.from_pretrained(tmp_path).config.target_layer_ids == [2, 4, 5]
+    assert read_checkpoint(tmp_path)[0].config.target_layer_ids == [2, 4, 5]
+    upload = {op.path_in_repo: op.path_or_fileobj for op in upload_operations(tmp_path, "org/draft")}
+    assert json.loads(upload["config.json"])["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # pushed with the key
+
+
+def _set(key: str, value):
+    def edit(config):
+        if key.startswith("hf_eagle3."):
+            config["hf_eagle3"][key.removeprefix("hf_eagle3.")] = value
+        elif key.startswith("eagle_config."):
+            config["eagle_config"][key.removeprefix("eagle_config.")] = value
+        elif value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    return edit
+
+
+@pytest.mark.parametrize("edits, message", [
+    # hf-eagle3's own key, which from_pretrained read and convert ignored
+    ([_set("hf_eagle3.target_layer_ids", [0, 2, 3])],
+     r"keys that disagree: eagle_aux_hidden_state_layer_ids = \[2, 4, 5\] \(hidden_states \[2, 4, 5\]\); "
+     r"eagle_config.eagle_aux_hidden_state_layer_ids = \[1, 3, 4\] \(hidden_states \[2, 4, 5\]\); "
+     r"hf_eagle3.target_layer_ids = \[0, 2, 3\] \(hidden_states \[0, 2, 3\]\)"),
+    # the top-level key vLLM and llama.cpp read, disagreeing with SGLang's
+    ([_set("eagle_aux_hidden_state_layer_ids", [1, 3, 4])],
+     r"keys that disagree: .*Keep the key that holds the layers"),
+    # the same layers in both keys, tapping the last layer's output, which SGLang and vLLM take before the final norm
+    ([_set("eagle_aux_hidden_state_layer_ids", [2, 4, 8]), _set("eagle_config.eagle_aux_hidden_state_layer_ids",
+                                                                  [1, 3, 7])], "output of the target's last layer"),
+    ([_set("eagle_aux_hidden_state_layer_ids", None), _set("eagle_config.eagle_aux_hidden_state_layer_ids",
+                                                             [1, 3, 7])], "output of the target's last layer"),
+    ([_set("eagle_aux_hidden_state_layer_ids", "2,4,5")], "must be a list of integer layer ids, got '2,4,5'"),
+])
+def test_every_path_refuses_a_folder_whose_target_layers_are_wrong_or_in_disagreeing_keys(tmp_path, edits, message):
+    tiny_draft(**SETTINGS).save_pretrained(tmp_path)
+    for edit in edits:
+        _edited_config(tmp_path, edit)
+    for read in (Eagle3DraftModel.from_pretrained, Eagle3Config.from_pretrained):
+        with pytest.raises(ValueError, match=message):
+            read(tmp_path)
+    for read in (read_checkpoint, lambda folder: upload_operations(folder, "org/draft")):  # convert, push
+        with pytest.raises(ConversionError, match=message):
+            read(tmp_path)

@@ -149,7 +149,8 @@ def upload_operations(
 
     A draft saved in hf-eagle3's own layout is uploaded in the served one (the layout vLLM and SGLang load by id,
     which `save_pretrained` writes; its weights and code are the same files) with a generated `config.json`, unless
-    `served_layout=False` or the layout cannot express the draft; a folder in the served layout is uploaded as it is.
+    `served_layout=False` or the layout cannot express the draft; a folder in the served layout is uploaded with its
+    `config.json` written anew as `save_pretrained` writes it now (the target layers in both keys the engines read).
 
     Raises:
         ConversionError: `folder` does not hold a complete draft, was saved without `auto_map`, or its weights are a
@@ -190,7 +191,7 @@ def upload_operations(
             f"NEW_FOLDER, or publish the pickles anyway with `--include {include_hint}`."
         )
     operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), path) for path in files]
-    if served_layout and not is_served_layout(config) and sglang.refusal(checkpoint.config) is None:
+    if (served_layout or is_served_layout(config)) and sglang.refusal(checkpoint.config) is None:
         operations = [operation for operation in operations if operation.path_in_repo != "config.json"]
         operations.append(CommitOperationAdd("config.json", config_text(sglang.served_config(checkpoint)).encode()))
     if "README.md" in uploaded:
