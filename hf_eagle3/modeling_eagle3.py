@@ -469,7 +469,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def set_draft_vocabulary(self, target_token_ids: torch.Tensor) -> None:
         """Set the reduced vocabulary from the `draft_vocab_size` distinct target ids it predicts (any order)."""
-        ids = torch.as_tensor(target_token_ids, dtype=torch.long).flatten().unique(sorted=True)
+        ids = torch.as_tensor(target_token_ids, dtype=torch.long, device=self.d2t.device).flatten().unique(sorted=True)
         if ids.numel() != self.config.draft_vocab_size:
             raise ValueError(
                 f"The draft vocabulary needs {self.config.draft_vocab_size} distinct token ids, got {ids.numel()}."
@@ -477,7 +477,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
             raise ValueError(f"Draft vocabulary ids must lie in [0, {self.config.vocab_size}).")
         with torch.no_grad():
-            self.d2t.copy_(ids - torch.arange(ids.numel()))
+            self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
             self.t2d.zero_()
             self.t2d[ids] = True
 
