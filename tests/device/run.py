@@ -138,6 +138,7 @@ def eagle3_generate(target, draft, prompt, new_tokens: int):
 def plain_step_ms(target, prompt, new_tokens: int, static: bool) -> float:
     """The median milliseconds between the tokens of a plain greedy `generate` (after one call that warms it up and,
     with `static`, compiles it), through a dynamic cache or a static one."""
+    import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class Clock(StoppingCriteria):
@@ -146,7 +147,7 @@ def plain_step_ms(target, prompt, new_tokens: int, static: bool) -> float:
 
         def __call__(self, input_ids, scores, **kwargs):
             self.times.append(time.perf_counter())  # generate reads its stop flag on the host: the step is done
-            return input_ids.new_zeros(input_ids.shape[0], dtype=bool)
+            return input_ids.new_zeros(input_ids.shape[0], dtype=torch.bool)
 
     path = {"cache_implementation": "static"} if static else {}
     for _ in range(2):
