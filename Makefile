@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo lint test interop engines
+.PHONY: demo lint test interop engines device-check device-wheels
 
 $(BIN)/hf-eagle3: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +35,16 @@ interop: $(BIN)/hf-eagle3
 # own virtualenv under the user cache from the registry on first use
 engines: $(BIN)/hf-eagle3
 	$(BIN)/python tests/engines/run.py
+
+# The GPU check (tests/device/run.py, docs/device-check.md): the tests marked cuda, synchronisations per cycle, the
+# costs of a Llama-3.1-8B-shaped target, results under $OUT (else device-check/). It runs with the GPU machine's own
+# python3 and PyTorch, and installs what that machine lacks from .whl/ (transformers 5.24.0, setuptools) without an
+# index: run `make device-wheels` here first, then the device tool's
+#   run(command="make device-check", carry=[".whl"], timeout_s=540)
+# (about 36 MiB travel: the tree and the wheels). `--dry-run` runs the same steps on the CPU (tests/test_device_check.py).
+DEVICE_PYTHON ?= python3
+device-check:
+	$(DEVICE_PYTHON) tests/device/run.py
+
+device-wheels:
+	$(DEVICE_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl transformers==5.24.0 setuptools==80.9.0

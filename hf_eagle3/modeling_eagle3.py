@@ -191,6 +191,8 @@ class Eagle3PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Eagle3DecoderLayer"]
 
     def _init_weights(self, module):
+        if isinstance(module, nn.Embedding) and module.weight is None:
+            return  # the target's embedding, not attached yet
         super()._init_weights(module)
         if isinstance(module, Eagle3DraftModel):
             # Identity vocabulary (draft id i = target id i) until `set_draft_vocabulary` is called.
@@ -212,7 +214,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     Pass it as `assistant_model` to `target.generate` once `hf_eagle3` is imported. With
     `config.share_target_embedding` (the default), the token embedding is the target's, attached by
-    `attach_target_embedding` (which `generate` does for you) and never saved with the draft.
+    `attach_target_embedding` (which `generate` does for you) and never saved with the draft; until then
+    `embed_tokens` holds no weight (for Llama-3.1-8B's vocabulary, 1 GB in bfloat16 never allocated). The same holds
+    for `lm_head` with `config.share_target_lm_head`.
 
     `generation_config` holds the draft's own generation settings, as an assistant's does in transformers (where
     `num_assistant_tokens` is read from the assistant's): `tree_depth`, `tree_top_k`, `tree_total_tokens`,
@@ -222,7 +226,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         device="meta" if config.share_target_embedding else None)
         if config.fc_norm:
             self.fc_norm = nn.ModuleList(
                 LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in range(3)
@@ -233,20 +238,23 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.midlayer = Eagle3DecoderLayer(config)
         self.extra_layers = nn.ModuleList(Eagle3DecoderLayer(config, i) for i in range(1, config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False,
+                                 device="meta" if config.share_target_lm_head else None)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         # Official convention: target id of draft id i is i + d2t[i]; t2d[t] says whether target id t is drafted.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        for name in self._shared_module_names():  # the target's, attached at run time: nothing allocated until then
+            getattr(self, name).weight = None
         self.post_init()
         self.generation_config = GenerationConfig()
         self._generation_stats = _PerThread()  # each thread's last `Eagle3GenerationStats` (see `generation_stats`)
         self._target_embedding_attached = not config.share_target_embedding
         self._target_lm_head_attached = not config.share_target_lm_head
         shared = self._shared_module_names()
-        if shared:  # the target's modules: neither saved nor expected in checkpoints
+        if shared:  # the target's modules: neither saved nor read from checkpoints
             self._keys_to_ignore_on_save = {f"{name}.weight" for name in shared}
-            self._keys_to_ignore_on_load_missing = {rf"^{name}\.weight$" for name in shared}
+            self._keys_to_ignore_on_load_unexpected = {rf"^{name}\.weight$" for name in shared}
 
     # Set by `register_checkpoint_reader` / `register_checkpoint_writer` / `register_pusher` (`import hf_eagle3`
     # registers all three); the remote-code copy of this file, loaded without hf_eagle3, keeps transformers' own
@@ -322,7 +330,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 f"The weights of the draft at {source!r} cannot be read ({error}): the file is truncated or damaged. "
                 "Download or save the draft again."
             ) from error
-        missing = set(loading_info["missing_keys"]) - {f"{name}.weight" for name in model._shared_module_names()}
+        missing = set(loading_info["missing_keys"])
         mismatched = [f"{name} {tuple(found)} (its config expects {tuple(expected)})"
                       for name, found, expected in sorted(loading_info.get("mismatched_keys") or [])]
         if missing or mismatched:
@@ -469,7 +477,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def set_draft_vocabulary(self, target_token_ids: torch.Tensor) -> None:
         """Set the reduced vocabulary from the `draft_vocab_size` distinct target ids it predicts (any order)."""
-        ids = torch.as_tensor(target_token_ids, dtype=torch.long).flatten().unique(sorted=True)
+        ids = torch.as_tensor(target_token_ids, dtype=torch.long, device=self.d2t.device).flatten().unique(sorted=True)
         if ids.numel() != self.config.draft_vocab_size:
             raise ValueError(
                 f"The draft vocabulary needs {self.config.draft_vocab_size} distinct token ids, got {ids.numel()}."
@@ -477,7 +485,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
             raise ValueError(f"Draft vocabulary ids must lie in [0, {self.config.vocab_size}).")
         with torch.no_grad():
-            self.d2t.copy_(ids - torch.arange(ids.numel()))
+            self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
             self.t2d.zero_()
             self.t2d[ids] = True
 

@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, S
 from transformers.generation.streamers import BaseStreamer
 
 from hf_eagle3 import Eagle3DraftModel
+from hf_eagle3.decoding.drafter import TreeSettings
+from hf_eagle3.decoding.settings import resolve_settings
 from hf_eagle3.utils.fingerprint import weights_fingerprint
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
@@ -455,6 +457,30 @@ def test_tree_settings_follow_transformers_precedence_kwargs_then_generation_con
     assert _settings_used(draft) == (2, 1, 2)  # the call's generation_config over the target's
     _eagle(target, draft, prompt, max_new_tokens=5, generation_config=GenerationConfig(tree_top_k=1), tree_top_k=3)
     assert _settings_used(draft) == (3, 3, 12)  # keyword arguments over everything
+
+
+def test_a_draft_without_a_profile_decodes_with_its_fixed_tree_on_cpu_and_the_official_tree_on_cuda(monkeypatch):
+    target, draft = tiny_target("llama"), tiny_draft(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
+    assert torch.equal(_eagle(target, draft, PROMPTS[0], max_new_tokens=12), _plain(target, PROMPTS[0],
+                                                                                    max_new_tokens=12))
+    assert _settings_used(draft) == (4, 3, 12)  # on the CPU: the config's fixed tree
+    monkeypatch.setattr(type(target), "device", property(lambda self: torch.device("cuda")))
+    on_cuda = resolve_settings(target, draft, target.generation_config, {}, batch_size=1)
+    assert on_cuda.tree == TreeSettings(7, 10, 60) and on_cuda.shape_choice is None  # the official EAGLE-3 tree
+    assert resolve_settings(target, draft, target.generation_config, {"tree_depth": 3}, batch_size=1).tree == (
+        TreeSettings(3, 10, 60))  # a size set for the call still wins
+    draft.config.acceptance_profile = [{"tree_depth": 1, "tree_top_k": 1, "tree_total_tokens": 1, "tau": 1.5}]
+    assert resolve_settings(target, draft, target.generation_config, {}, batch_size=1).tree == (
+        TreeSettings(4, 3, 12))  # a profiled draft's fixed tree is its own everywhere
+
+
+def test_auto_without_a_profile_warns_once_and_decodes_with_the_fixed_tree(caplog):
+    target, draft = tiny_target("llama"), tiny_draft(tree_shape="auto")
+    for prompt in PROMPTS[:2]:
+        assert torch.equal(_eagle(target, draft, prompt, max_new_tokens=12), _plain(target, prompt, max_new_tokens=12))
+        assert _settings_used(draft) == (4, 3, 12)
+    warnings = [record.getMessage() for record in caplog.records if "acceptance profile" in record.getMessage()]
+    assert len(warnings) == 1 and "decoding with the fixed tree instead" in warnings[0]
 NGRAM_PROMPTS = [torch.cat([p, p, p[:, :2]], dim=1) for p in PROMPTS]  # repeats: continuations are found
 
 

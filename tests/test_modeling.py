@@ -28,6 +28,17 @@ def test_config_defaults_follow_the_official_conventions():
         [1, 2, 3], [1, 3, 5], [2, 3, 4]]
 
 
+def test_a_draft_holds_no_weight_for_the_targets_embedding_until_it_is_attached(tmp_path, llama_target):
+    draft = tiny_draft()
+    assert draft.embed_tokens.weight is None and "embed_tokens.weight" not in draft.state_dict()
+    draft.save_pretrained(tmp_path)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path).to(torch.bfloat16)
+    assert loaded.embed_tokens.weight is None  # nothing allocated, initialised or read for it
+    loaded.attach_target(llama_target)
+    assert loaded.embed_tokens.weight is llama_target.get_input_embeddings().weight
+    assert "embed_tokens.weight" not in load_file(tmp_path / "model.safetensors")
+
+
 def test_casting_the_draft_leaves_the_targets_embedding_alone(llama_target, fitted_draft):
     target, draft = llama_target, fitted_draft
     prompt = torch.tensor([[5, 17, 33, 2, 61]])

@@ -5,7 +5,13 @@ call's own over the target's, field by field); the draft's `generation_config` (
 assistant's settings, as it reads `num_assistant_tokens`); the draft config's defaults. A level that sets
 `tree_shape="auto"` drops lower levels' tree sizes, one that sets sizes drops a lower `tree_shape`. With
 `tree_shape="auto"` the tree is the shape `calibration.choose_tree` predicts fastest on this machine at this batch
-size, or none (decode plainly).
+size, or none (decode plainly); a draft without an acceptance profile (every public draft) has nothing to predict
+from, so `auto` decodes with the fixed tree instead, saying so once.
+
+The fixed tree is the draft config's, except for a draft without an acceptance profile decoding on a GPU: there it is
+the official EAGLE-3 tree, `ACCELERATOR_TREE` (depth 7, top-k 10, 60 tokens). A GPU verifies 61 tokens in about the
+time of one decode step, where a CPU's forward grows with its tokens; a config's sizes are what suits a CPU (6x8x60 by
+default), and sizes set in a generation config or the call are used everywhere.
 
 A call decoding into a static cache (`cache_implementation="static"`, which compiled verification needs) verifies over
 its whole length, so the length is settled here, before the calibration that depends on it: the cache's own where
@@ -16,6 +22,7 @@ that calls of similar lengths share one compiled graph per tree size and one cal
 from dataclasses import dataclass
 
 from transformers.cache_utils import StaticCache
+from transformers.utils import logging
 
 from ..configuration_eagle3 import Eagle3Config
 from ..modeling_eagle3 import Eagle3DraftModel
@@ -28,6 +35,9 @@ SETTING_KWARGS = (*TREE_KWARGS, "tree_shape", "exact_attention", "ngram_candidat
 # transformers' settings for its own candidate generators: they would be silently ignored
 ASSISTED_ONLY_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 STATIC_CACHE_BLOCK = 256  # a static cache EAGLE-3 allocates holds a multiple of this many entries
+# the official EAGLE-3 tree: a draft's without an acceptance profile on a GPU
+ACCELERATOR_TREE = {"tree_depth": 7, "tree_top_k": 10, "tree_total_tokens": 60}
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,8 +94,14 @@ def resolve_settings(model, draft: Eagle3DraftModel, generation_config, call: di
     shape = layered.get("tree_shape") or ("fixed" if sizes else draft.config.tree_shape)
     if shape not in ("fixed", "auto"):
         raise ValueError(f"tree_shape must be 'fixed' or 'auto', got {shape!r}.")
+    if shape == "auto" and not sizes and not draft.config.acceptance_profile:
+        logger.warning_once(
+            "hf_eagle3: tree_shape='auto' chooses the tree from the draft's acceptance profile, which this draft's "
+            "config does not record: decoding with the fixed tree instead. Run `hf-eagle3 tune-tree --draft DIR "
+            "--save-to DIR` once to record it, or pass tree_depth / tree_top_k / tree_total_tokens.")
+        shape = "fixed"
     if shape == "fixed":
-        tree = _fixed_tree(draft.config, sizes)
+        tree = _fixed_tree(draft.config, sizes, model.device.type)
         static_length = static_cache_length(cache, generation_config.max_length, tree.total_tokens)
         return DecodingSettings(tree, None, ngram_candidates, exact_attention, static_length=static_length)
     if sizes:
@@ -117,12 +133,15 @@ def _layered(levels: list[dict]) -> dict:
     return settings
 
 
-def _fixed_tree(config: Eagle3Config, sizes: dict) -> TreeSettings:
-    """The tree of `sizes`, else the draft config's defaults. A default size is capped at what the tree holds
+def _fixed_tree(config: Eagle3Config, sizes: dict, device_type: str) -> TreeSettings:
+    """The tree of `sizes`, else the defaults: on a GPU (`device_type` `"cuda"`) for a draft without an acceptance
+    profile `ACCELERATOR_TREE`, else the draft config's. A default size is capped at what the tree holds
     (`tree_top_k=1` alone drafts the whole chain); a size set for the call must fit (`TreeSettings`)."""
-    depth = sizes.get("tree_depth", config.tree_depth)
-    top_k = sizes.get("tree_top_k", config.tree_top_k)
-    default_total = min(config.tree_total_tokens, max_candidates(depth, top_k))
+    defaults = (ACCELERATOR_TREE if device_type == "cuda" and not config.acceptance_profile
+                else {name: getattr(config, name) for name in TREE_KWARGS})
+    depth = sizes.get("tree_depth", defaults["tree_depth"])
+    top_k = sizes.get("tree_top_k", defaults["tree_top_k"])
+    default_total = min(defaults["tree_total_tokens"], max_candidates(depth, top_k))
     settings = TreeSettings(depth, top_k, sizes.get("tree_total_tokens", default_total))
     if settings.top_k > config.draft_vocab_size:
         raise ValueError(f"tree_top_k={settings.top_k} exceeds the draft vocabulary ({config.draft_vocab_size}).")

@@ -13,8 +13,11 @@ import torch
 from ..decoding.drafter import max_candidates
 from ..modeling_eagle3 import Eagle3DraftModel
 
-# The shapes an acceptance profile covers by default (`tune-tree`, and the trainer's final draft)
-PROFILE_TOP_KS, PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS = (1, 2, 4, 8), 4, 32, 96
+# The shapes an acceptance profile covers by default (`tune-tree`, and the trainer's final draft): up to the official
+# EAGLE-3 tree and past it (depth 8, top-k 10, 128 tokens), which a GPU verifies at about a decode step's cost, though a
+# CPU's calibration never picks them. One greedy run per top-k gives every depth and size of it, so four top-ks keep
+# the profile at four runs; its largest trees make each run's cycles dearer on a CPU, and fewer of them.
+PROFILE_TOP_KS, PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS = (1, 2, 4, 10), 8, 128, 96
 TOTAL_TOKENS_GRID = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 

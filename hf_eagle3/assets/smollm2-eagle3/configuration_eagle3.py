@@ -137,11 +137,15 @@ class Eagle3Config(PreTrainedConfig):
         tree_total_tokens (`int`, *optional*, defaults to 60):
             Default number of drafted tokens (tree nodes besides the root) the target verifies per cycle (at most
             `MAX_TREE_TOKENS`).
+            These three sizes are the fixed tree on the CPU. On a GPU a draft without an `acceptance_profile` decodes
+            with the official EAGLE-3 tree, depth 7, top-k 10, 60 tokens; set sizes in its `generation_config` or in
+            the `generate` call to decode with others there.
         tree_shape (`str`, *optional*, defaults to `"fixed"`):
             `"fixed"`: decode with `tree_depth`, `tree_top_k` and `tree_total_tokens`. `"auto"`: decode with the shape
             predicted fastest on the machine at hand, from `acceptance_profile` and costs measured there once (and
             cached; see `hf_eagle3.decoding.calibration`), or plainly (without running the draft) when no shape is predicted
-            to beat plain decoding. Passing any tree setting to `generate` decodes with that fixed shape.
+            to beat plain decoding; without an `acceptance_profile`, with the fixed tree (saying so once). Passing any
+            tree setting to `generate` decodes with that fixed shape.
         ngram_candidates (`bool`, *optional*, defaults to `True`):
             Merge a context n-gram continuation into every draft tree (`hf_eagle3.decoding.ngram`): the tokens that followed
             the latest occurrence of the last `ngram_max_match` (or fewer) tokens in the prompt and the text generated
@@ -294,10 +298,6 @@ class Eagle3Config(PreTrainedConfig):
                 problems.append(f"target_layer_ids must be non-negative, got {self.target_layer_ids}")
             if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
                 problems.append(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
-        if self.tree_shape == "auto" and not self.acceptance_profile:
-            problems.append(
-                "tree_shape='auto' needs an acceptance_profile (record one with `hf-eagle3 tune-tree --save-to`)"
-            )
         for row in self.acceptance_profile or []:
             shape_keys = set(row) - {"ngram_candidates", "tau_by_set"}
             if shape_keys != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
