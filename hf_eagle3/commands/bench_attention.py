@@ -41,15 +41,15 @@ def filled_cache(target, context: int) -> DynamicCache:
 
 def verify_once(target, cache: DynamicCache, input_ids: torch.Tensor, mask: torch.Tensor, kwargs: dict
                 ) -> tuple[float, torch.Tensor]:
-    """Seconds and logits of one verification forward of `input_ids` `[1, n]` after the cache's entries, which hold
-    the same entries again after it."""
-    context = cache.get_seq_length()
-    positions = torch.arange(context, context + input_ids.shape[1])[None]
+    """Seconds and logits of one verification forward of `input_ids` `[1, n]` after the cache's entries; the cache
+    holds only those again after it."""
+    context, tokens = cache.get_seq_length(), input_ids.shape[1]
+    positions = torch.arange(context, context + tokens)[None]
     start = time.perf_counter()
     logits = target(input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
                     **kwargs).logits
     seconds = time.perf_counter() - start
-    cache.crop(context)
+    cache.crop(-tokens)
     return seconds, logits
 
 
