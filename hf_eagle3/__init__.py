@@ -5,7 +5,8 @@ Importing this package registers `Eagle3Config` / `Eagle3DraftModel` with the Au
 `pipeline("text-generation", model=target, assistant_model=draft)` (the draft, or its path or Hub id);
 `target.generate(**inputs, custom_generate=eagle3_generate, draft=draft)` runs the same loop through transformers'
 `custom_generate` extension point. It also registers transformers' "sdpa" attention function as one that a
-verification forward can ask, by a keyword argument, to attend node by node (`exact_attention=True`).
+verification forward can ask, by a keyword argument, to attend node by node (`exact_attention=True`) or over each
+key/value head once, without repeating the cache for every query head (every other verification).
 `hf_eagle3.optimize(model)` lays a model's linear layers out for fast multi-token forwards on CPU, explicitly
 (`decoding.cpu_layout`).
 """
@@ -19,6 +20,7 @@ from .decoding.compatibility import check_compatibility, check_transformers_vers
 from .decoding.cpu_layout import optimize, standard_layout
 from .decoding.exact_attention import install as install_exact_attention
 from .decoding.generate import Eagle3GenerateOutput, Eagle3GenerationStats, Eagle3RowStats, eagle3_generate, install
+from .decoding.grouped_attention import install as install_grouped_attention
 from .decoding.pipelines import install as install_pipeline_support
 from .modeling_eagle3 import Eagle3DraftModel
 from .publishing.hub import push_draft
@@ -38,6 +40,7 @@ Eagle3DraftModel.register_pusher(push_draft)
 install()
 install_pipeline_support()
 install_exact_attention()
+install_grouped_attention()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -57,9 +57,11 @@ SLIDING_TARGETS = {
 }
 
 
-def tiny_target(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB):
+def tiny_target(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = VOCAB,
+                key_value_heads: int = 2):
+    """4 query heads over `key_value_heads` key/value heads (2: grouped-query attention; 4: one key/value head each)."""
     torch.manual_seed(seed)
-    model = TARGET_FAMILIES[family](_TINY | {"vocab_size": vocab_size})
+    model = TARGET_FAMILIES[family](_TINY | {"vocab_size": vocab_size, "num_key_value_heads": key_value_heads})
     model.config._attn_implementation = attn_implementation
     return model.eval()
 

@@ -11,7 +11,8 @@ import pytest
 import hf_eagle3
 from hf_eagle3.commands.cli import build_parser, main
 
-COMMANDS = ["demo", "bench", "bench-batches", "tune-tree", "prepare-data", "code-tasks", "train", "convert", "push"]
+COMMANDS = ["demo", "bench", "bench-batches", "bench-attention", "tune-tree", "prepare-data", "code-tasks", "train",
+            "convert", "push"]
 DOCUMENTED = COMMANDS
 
 

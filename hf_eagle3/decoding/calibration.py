@@ -69,6 +69,7 @@ from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..utils.cache import cache_dir
 from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
+from . import grouped_attention
 from .compiled import compiled_forward
 from .cpu_layout import weight_layout
 from .drafter import Eagle3Drafter, TreeSettings, max_candidates
@@ -82,7 +83,7 @@ CALIBRATION_NEW_TOKENS = 16  # tokens of the plain and EAGLE-3 `generate` calls 
 CALIBRATION_ROUNDS = 5  # interleaved rounds of every measurement, after one that warms up
 MAX_SPREAD = 0.25  # the largest interquartile range / median of a cost that is trusted
 PLAIN_CONTEXTS = (48, CALIBRATION_PREFIX, 320)  # cached tokens the decode step of a dynamic cache is measured after
-CALIBRATION_METHOD = 5  # in the key: records of an earlier way of measuring or correcting are measured again
+CALIBRATION_METHOD = 6  # in the key: records of an earlier way of measuring or correcting are measured again
 SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
 MAX_RECORD_BYTES = 1 << 20
 CORRECTION_WEIGHT = 0.5  # how far one call moves the record's scales toward what it measured, in log scale
@@ -374,9 +375,10 @@ def _verification_probes(
     static_length: int | None = None,
 ) -> dict[int, Callable[[], float]]:
     """One probe per size `n`: a target forward over `n` new tokens per row after a cached `prefix_length`-token
-    prefix, as verification runs it (a 4D tree mask, the hidden states at `layer_ids`; through a static cache of
-    `static_length` entries where given, and with `compile_config` through the compiled forward, as compiled
-    verification does: a compiled forward needs a static cache, of `prefix_length + max(sizes)` unless given)."""
+    prefix, as verification runs it (a 4D tree mask, query groups folded for sdpa (`grouped_attention`), the hidden
+    states at `layer_ids`; through a static cache of `static_length` entries where given, and with `compile_config`
+    through the compiled forward, as compiled verification does: a compiled forward needs a static cache, of
+    `prefix_length + max(sizes)` unless given)."""
     device = target.device
     vocab_size = target.config.get_text_config().vocab_size
     if static_length is None and compile_config is not None:
@@ -385,6 +387,7 @@ def _verification_probes(
     forward = compiled_forward(target, compile_config) if compile_config is not None else target
     target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), cache=cache)
     prefix_visible = torch.ones(prefix_length, dtype=torch.bool, device=device)
+    folded = grouped_attention.forward_kwargs(target.config._attn_implementation)
 
     def probe(n: int) -> float:
         chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # any tree's mask costs the same
@@ -396,7 +399,8 @@ def _verification_probes(
         tokens = torch.randint(0, vocab_size, (batch_size, n), device=device)
         positions = torch.arange(prefix_length, prefix_length + n, device=device)[None].expand(batch_size, -1)
         seconds = _timed(device, lambda: forward(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                                 cache=cache, output_hidden_states=layer_ids, use_cache=True))
+                                                 cache=cache, output_hidden_states=layer_ids, use_cache=True,
+                                                 **folded))
         cache.crop(-n)
         return seconds
 

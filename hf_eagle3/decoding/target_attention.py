@@ -1,8 +1,10 @@
 """How the target attends while it verifies draft trees: each row's tree mask over its visible cache entries, with
-the target's sliding window where it has one, or node by node over exactly plain decoding's keys (`exact_attention`)."""
+the target's sliding window where it has one, through sdpa over the keys as cached (`grouped_attention`), or node by
+node over exactly plain decoding's keys (`exact_attention`)."""
 
 import torch
 
+from . import grouped_attention
 from .exact_attention import KEYWORD, TreeKeyLayout, check_applied
 from .tree import DraftTree, tree_attention_mask
 
@@ -10,8 +12,9 @@ from .tree import DraftTree, tree_attention_mask
 class TargetAttention:
     """How the target attends during verification: one forward with the masks its layers need (full attention, a
     sliding window, or both kinds of layer (`config.layer_types`), in which case the model takes one mask per kind),
-    or, with `exact=True`, each node over exactly the keys plain decoding would give it
-    (`exact_attention`: sdpa, full attention, one unpadded sequence only)."""
+    with an sdpa target's query heads folded onto their key/value heads (`grouped_attention`), or, with
+    `exact=True`, each node over exactly the keys plain decoding would give it (`exact_attention`: sdpa, full
+    attention, one unpadded sequence only)."""
 
     def __init__(self, model, exact: bool, prompt_mask: torch.Tensor | None, batch_size: int):
         text_config = model.config.get_text_config()
@@ -28,10 +31,11 @@ class TargetAttention:
             self.sliding_window = None
         self.mixed = self.sliding_window is not None and "full_attention" in layer_types
         self.exact = exact
-        if exact and (self.sliding_window is not None or model.config._attn_implementation != "sdpa"):
+        self.implementation = model.config._attn_implementation
+        if exact and (self.sliding_window is not None or self.implementation != "sdpa"):
             raise ValueError(
                 "exact_attention=True reproduces plain decoding's sdpa attention over full-attention layers; "
-                f"{type(model).__name__} uses {model.config._attn_implementation!r} attention"
+                f"{type(model).__name__} uses {self.implementation!r} attention"
                 f"{' with a sliding window' if self.sliding_window is not None else ''}: load it with "
                 "attn_implementation='sdpa', or drop exact_attention."
             )
@@ -47,10 +51,13 @@ class TargetAttention:
             )
 
     def verification_kwargs(self, tree: DraftTree, prefix_length: int) -> dict:
-        """The keyword arguments of the verification forward of `tree` (one row's: `exact` verifies one sequence)
-        after `prefix_length` cache entries that say how it attends, beyond its masks: with `exact`, each node's keys
-        (`exact_attention.TreeKeyLayout`)."""
-        return {KEYWORD: TreeKeyLayout.of(tree.row(0), prefix_length)} if self.exact else {}
+        """The keyword arguments of the verification forward of `tree` after `prefix_length` cache entries that say
+        how it attends, beyond its masks: with `exact` (one sequence), each node's keys
+        (`exact_attention.TreeKeyLayout`); else, for sdpa, query heads folded onto their key/value heads
+        (`grouped_attention`)."""
+        if self.exact:
+            return {KEYWORD: TreeKeyLayout.of(tree.row(0), prefix_length)}
+        return grouped_attention.forward_kwargs(self.implementation)
 
     def check_verified(self, model, verification_kwargs: dict) -> None:
         """Raise if the forward did not attend as `verification_kwargs` asked."""
