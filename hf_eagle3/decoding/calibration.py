@@ -286,6 +286,8 @@ def profile_problem(profile, draft_vocab_size: int) -> str | None:
             depth = _count(row.get("tree_depth"), "tree_depth", MAX_TREE_DEPTH)
             top_k = _count(row.get("tree_top_k"), "tree_top_k", min(MAX_TREE_TOKENS, draft_vocab_size))
             total = _count(row.get("tree_total_tokens"), "tree_total_tokens", MAX_TREE_TOKENS)
+            if not isinstance(row.get("ngram_candidates", False), bool):
+                raise TypeError(f"ngram_candidates must be true or false, got {row['ngram_candidates']!r}")
             if total > max_candidates(depth, top_k):
                 raise ValueError(f"{total} tokens do not fit a tree of depth {depth} and top-k {top_k}")
             by_set = row.get("tau_by_set", {})
