@@ -35,6 +35,7 @@ from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint, sgla
 from ..conversion.fields import dtype_name
 from ..conversion.files import WEIGHT_FILES, config_text, read_json
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..utils.fingerprint import draft_identity
 from .results import Results, load_results
 
 CARD_TEMPLATE = importlib.resources.files("hf_eagle3.model_cards") / "eagle3_draft.md"
@@ -203,10 +204,29 @@ def upload_operations(
     results_file = folder / RESULTS_FILE
     if results is None and results_file.is_file():
         results = load_results(results_file)
+    if isinstance(results, Results):
+        check_results_draft(results, checkpoint, folder)
     card = draft_model_card(checkpoint, repo_id, results, training=training_details(folder),
                             served_layout=served_layout or is_served_layout(config), **card)
     operations.append(CommitOperationAdd("README.md", str(card).encode()))
     return operations
+
+
+def check_results_draft(results: Results, checkpoint: DraftCheckpoint, folder: str | Path) -> None:
+    """Refuse results measured with another draft than the one in `folder` (`bench.json` records the draft's
+    fingerprint and config digest, `utils.fingerprint.draft_identity`), naming both."""
+    if results.draft is None:
+        return
+    identity = draft_identity(checkpoint.config, checkpoint.tensors)
+    measured = {name: results.draft.get(name) for name in identity}
+    if measured != identity:
+        raise ValueError(
+            f"{results.source or 'The results'} were measured with another draft ({results.draft.get('name_or_path')}: "
+            f"fingerprint {measured['fingerprint']}, config digest {measured['config_digest']}) than the one in "
+            f"{folder} (fingerprint {identity['fingerprint']}, config digest {identity['config_digest']}), so the "
+            f"card would show that draft's results as this one's: run `hf-eagle3 bench --draft {folder}` and pass "
+            "its bench.json."
+        )
 
 
 def upload_plan(folder: str | Path, include: list[str] | tuple[str, ...] = ()) -> tuple[list[Path], dict[str, str]]:
