@@ -702,6 +702,12 @@ def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_conf
         costs = read_record(path, key, profile)
         if costs is not None and costs.spread <= MAX_SPREAD:
             return costs, path
+    logger.warning(
+        f"Calibrating tree_shape='auto' for this machine (batch size {batch_size}"
+        f"{', compiled' if compile_config is not None else ''}): measuring decode steps, verifications and drafting "
+        f"of {len(profile)} profiled shapes, once; on a busy 2-core CPU this takes one to four minutes for a "
+        f"135M-parameter target (more with larger batches, targets or compilation), then {path} is reused."
+    )
     for _ in range(2):
         costs = measure(target, draft, profile, batch_size=batch_size, compile_config=compile_config,
                         static_length=static_length)

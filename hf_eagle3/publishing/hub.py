@@ -345,7 +345,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="upload files matching PATTERN (a path in DIR or a file name, `*` wildcards) although "
                              "push leaves them out: private keys, credentials, training state, pickles (repeat for "
                              "several)")
-    parser.add_argument("--hf-eagle3-layout", action="store_false", dest="served_layout",
+    parser.set_defaults(served_layout=True)
+    parser.add_argument("--hf-eagle3-layout", action="store_false", dest="served_layout", default=argparse.SUPPRESS,
                         help="push a draft saved in hf-eagle3's own layout (model_type eagle3) as it is, instead of in "
                              "the layout vLLM and SGLang load by id")
     parser.add_argument("--dry-run", action="store_true",
