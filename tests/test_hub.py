@@ -511,12 +511,12 @@ def _bench_json(folder: Path, draft: Eagle3DraftModel, speedup: float) -> Path:
     return folder / "bench.json"
 
 
-def test_push_refuses_results_measured_with_another_draft_naming_both(saved_draft, tmp_path, capsys):
+def test_push_refuses_results_measured_with_another_draft_naming_both(saved_draft, tmp_path):
     other = _bench_json(tmp_path, tiny_draft(seed=1), 2.0)
     own = draft_record("shipped", Eagle3DraftModel.from_pretrained(saved_draft))
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         cli.main(["push", str(saved_draft), "org/x", "--results", str(other), "--dry-run"])
-    error = capsys.readouterr().err
+    error = str(exit_info.value)
     assert "measured with another draft (shipped: fingerprint " in error and own["fingerprint"] in error
     assert f"hf-eagle3 bench --draft {saved_draft}" in error
     assert upload_operations(saved_draft, "org/x", load_results(_bench_json(tmp_path, Eagle3DraftModel.from_pretrained(
