@@ -8,7 +8,6 @@ not record are taken from the target when `generate` first sees the draft.
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedConfig
 from transformers.utils import logging
 
 from ..configuration_eagle3 import Eagle3Config, is_served_layout
@@ -54,12 +53,7 @@ def is_eagle3_draft(config: dict) -> bool:
 
 def _is_foreign(source: str | Path, hub_kwargs: dict) -> bool:
     try:
-        config, _ = PreTrainedConfig.get_config_dict(source, **hub_kwargs)
-    except (OSError, ValueError):
+        config, _ = Eagle3Config.get_config_dict(source, **hub_kwargs)
+    except (OSError, ValueError):  # no config, or a damaged one: the regular loader names the problem
         return False
-    if not isinstance(config, dict):  # an unreadable config, as transformers reports one that is not JSON
-        raise OSError(
-            f"The config.json of {source!r} holds a JSON {type(config).__name__}, not an object of config fields: it "
-            "is damaged. Save or download the draft again."
-        )
     return config.get("model_type") != Eagle3Config.model_type and not is_served_layout(config)

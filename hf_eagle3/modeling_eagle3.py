@@ -26,13 +26,14 @@ This file only imports torch, transformers and safetensors (a transformers depen
 remote code of saved checkpoints.
 """
 
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers import initialization as init
@@ -45,7 +46,13 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
-from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput, cached_file
+from transformers.utils import (
+    GENERATION_CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    ModelOutput,
+    cached_file,
+)
 
 from .configuration_eagle3 import Eagle3Config
 
@@ -322,25 +329,18 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             # `AutoModel.from_pretrained(..., trust_remote_code=True)` of the served layout (`model_type: llama`) hands
             # over the `LlamaConfig` AutoConfig read: this class's config reads the same file.
             kwargs["config"] = cls.config_class.from_pretrained(source, **hub_kwargs)
-        try:  # mismatched shapes are reported below, naming each tensor's shapes
-            model, loading_info = super().from_pretrained(*args, output_loading_info=True,
-                                                          **{**kwargs, "ignore_mismatched_sizes": True})
+        try:
+            if foreign is None and source is not None:  # before anything of the config's size is allocated
+                _check_stored_shapes(cls, source, kwargs.get("config"), hub_kwargs)
+            model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         except SafetensorError as error:
             raise ValueError(
                 f"The weights of the draft at {source!r} cannot be read ({error}): the file is truncated or damaged. "
                 "Download or save the draft again."
             ) from error
         missing = set(loading_info["missing_keys"])
-        mismatched = [f"{name} {tuple(found)} (its config expects {tuple(expected)})"
-                      for name, found, expected in sorted(loading_info.get("mismatched_keys") or [])]
-        if missing or mismatched:
-            problems = [f"missing {', '.join(sorted(missing))}"] * bool(missing) + [
-                f"wrong shape {', '.join(mismatched)}"] * bool(mismatched)
-            raise ValueError(
-                f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel ({'; '.join(problems)}). Its "
-                "weights do not match its config: save or download the draft again (a checkpoint of another project "
-                "loads directly only with that project's own config.json)."
-            )
+        if missing:
+            raise _incomplete(source, [f"missing {', '.join(sorted(missing))}"])
         not_finite = [name for name, tensor in model.state_dict().items()
                       if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
         if not_finite:
@@ -606,6 +606,44 @@ def _windowed(
     outside = key_positions[None, None, None, :] <= position_ids[:, None, :, None] - window  # [B, 1, T, K]
     base = attention_mask if attention_mask is not None else torch.zeros((), dtype=like.dtype, device=like.device)
     return base.masked_fill(outside, torch.finfo(like.dtype).min)
+
+
+def _incomplete(source, problems: list[str]) -> ValueError:
+    return ValueError(
+        f"The checkpoint at {source!r} does not hold a complete Eagle3DraftModel ({'; '.join(problems)}). Its "
+        "weights do not match its config: save or download the draft again (a checkpoint of another project "
+        "loads directly only with that project's own config.json)."
+    )
+
+
+def _check_stored_shapes(cls, source, config, hub_kwargs: dict) -> None:
+    """Refuse a checkpoint whose stored tensors have other shapes than its config gives them, from the safetensors
+    headers and a model built on the meta device, so that a config claiming huge sizes allocates nothing. A
+    checkpoint whose weights are no safetensors file is left to the loader."""
+    index = cached_file(source, SAFE_WEIGHTS_INDEX_NAME, _raise_exceptions_for_missing_entries=False,
+                        _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+    if index:
+        names = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+        files = [Path(index).parent / name for name in names]
+    else:
+        single = cached_file(source, SAFE_WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False,
+                             _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+        files = [Path(single)] if single else []
+    stored = {}
+    for path in files:
+        if path.is_file():
+            with safe_open(path, framework="pt") as weights:
+                stored |= {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+    if not stored:
+        return
+    if not isinstance(config, cls.config_class):
+        config = cls.config_class.from_pretrained(source, **hub_kwargs)
+    with torch.device("meta"):
+        expected = {name: tuple(tensor.shape) for name, tensor in cls(config).state_dict().items()}
+    mismatched = [f"{name} {stored[name]} (its config expects {shape})" for name, shape in sorted(expected.items())
+                  if name in stored and stored[name] != shape]
+    if mismatched:
+        raise _incomplete(source, [f"wrong shape {', '.join(mismatched)}"])
 
 
 # `from_pretrained` arguments that say where a checkpoint's files are.

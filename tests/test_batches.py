@@ -288,3 +288,13 @@ def test_throughput_counts_each_rows_tokens_up_to_its_end():
 
     sequences = torch.tensor([[7, 7, 1, 2, 3, 4], [0, 7, 1, 9, 0, 0], [0, 7, 9, 0, 0, 0]])  # prompt width 2; EOS 9
     assert generated_tokens(sequences, 2, {9}) == 4 + 2 + 1
+
+
+def test_bench_batches_shows_a_call_that_decoded_plainly_as_plain_not_as_a_speedup():
+    from hf_eagle3.commands.bench_batches import markdown_table
+
+    plain_call = {"speedup": 1.01, "tree": "plain", "tau": None, "identical_rows": 2, "shape_choice": "no tree pays"}
+    table = markdown_table([{"batch_size": 2, "generated_tokens": 40, "plain_tokens_per_second": 20.0,
+                             "eagle3_tokens_per_second": 20.2, "eagle3": plain_call}])
+    assert "| 2 | EAGLE-3, tree_shape='auto' | 20.2 | plain decoding (no speedup to measure) | plain | n/a | 2/2 |" \
+        in table and "1.01x" not in table

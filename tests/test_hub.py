@@ -22,9 +22,10 @@ from transformers import AutoModel
 
 from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.commands import cli
-from hf_eagle3.commands.bench import methods_from_names, run_benchmark
+from hf_eagle3.commands.bench import draft_record, methods_from_names, run_benchmark
 from hf_eagle3.publishing.hub import CARD_TAGS, LIBRARY_NAME, load_results, push_folder, upload_operations
 from hf_eagle3.resources.loading import SHIPPED_DRAFT
+from hf_eagle3.resources.smollm2 import smollm2_dir
 from hf_eagle3.training.trainer import TrainConfig, train
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -426,6 +427,15 @@ def test_the_card_takes_the_license_of_the_target_when_its_card_is_at_hand(saved
     assert _card(saved_draft, license="apache-2.0").data.license == "apache-2.0"  # `push --license` wins
 
 
+def test_a_draft_of_the_embedded_smollm2_gets_its_hub_id_and_license_and_no_local_path(saved_draft, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path / "cache"))
+    _record_target(saved_draft, str(smollm2_dir()))  # as `hf-eagle3 train --target smollm2` records it
+    card = _card(saved_draft)
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.license == "apache-2.0"
+    assert str(tmp_path / "cache") not in card.text
+
+
 def test_a_card_for_a_draft_that_records_no_target_needs_base_model(saved_draft):
     _record_target(saved_draft, None)
     with pytest.raises(ValueError, match="records no target .* --base-model ORG/NAME"):
@@ -472,9 +482,12 @@ def test_bench_json_fills_the_card_with_per_position_acceptance_and_the_setup(
     result = run_benchmark(llama_target, fitted_draft, prompts, methods, 24, 1, progress=False)
     result["settings"] = {"machine": "Test CPU (avx2)", "dtype": "float32", "torch_threads": 1, "temperature": 0.0,
                           "max_new_tokens": 24, "limit": 1, "repetitions": 1}  # as `hf-eagle3 bench` records them
+    result["draft"] = draft_record("draft", fitted_draft)
     (tmp_path / "bench.json").write_text(json.dumps(result))
     _, commits = mocked_hub
-    cli.main(["push", str(saved_draft), "org/eagle3-draft", "--results", str(tmp_path / "bench.json")])
+    fitted_draft.config.target_name_or_path = "org/target"
+    fitted_draft.save_pretrained(tmp_path / "fitted")
+    cli.main(["push", str(tmp_path / "fitted"), "org/eagle3-draft", "--results", str(tmp_path / "bench.json")])
     card = ModelCard(commits[0]["files"]["README.md"].decode())
     tree = result["summary"]["mt-bench"]["tree"]
     assert ("Measured with hf-eagle3 on Test CPU (avx2), float32, 1 torch thread, greedy, 24 new tokens, the first 1 "
@@ -482,6 +495,48 @@ def test_bench_json_fills_the_card_with_per_position_acceptance_and_the_setup(
     assert "| prompts | method | tree (DxKxN) | speedup | tokens/s | τ | 0-α | 1-α | 2-α | 3-α |" in card.text
     row = next(line for line in card.text.splitlines() if line.startswith("| mt-bench | tree |"))
     assert f"| {tree['tau']:.2f} | {tree['n_alpha'][0]:.2f} |" in row and "| 4x3x12 |" in row
+
+
+def _bench_json(folder: Path, draft: Eagle3DraftModel, speedup: float) -> Path:
+    """A `bench.json` of `draft` as `hf-eagle3 bench` writes it, its EAGLE-3 method at `speedup`."""
+    tree = {"speedup": speedup, "tokens_per_second": 10 * speedup, "prompts": 1, "tau": 1.1, "n_alpha": [0.1],
+            "shapes": ["2x8x12"]}
+    bench = {"summary": {"mt-bench": {"plain": {"speedup": 1.0, "tokens_per_second": 10.0, "prompts": 1},
+                                      "tree": tree}},
+             "settings": {"machine": "Test CPU"}, "draft": draft_record("shipped", draft)}
+    (folder / "bench.json").write_text(json.dumps(bench))
+    return folder / "bench.json"
+
+
+def test_push_refuses_results_measured_with_another_draft_naming_both(saved_draft, tmp_path):
+    other = _bench_json(tmp_path, tiny_draft(seed=1), 2.0)
+    own = draft_record("shipped", Eagle3DraftModel.from_pretrained(saved_draft))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["push", str(saved_draft), "org/x", "--results", str(other), "--dry-run"])
+    error = str(exit_info.value)
+    assert "measured with another draft (shipped: fingerprint " in error and own["fingerprint"] in error
+    assert f"hf-eagle3 bench --draft {saved_draft}" in error
+    assert upload_operations(saved_draft, "org/x", load_results(_bench_json(tmp_path, Eagle3DraftModel.from_pretrained(
+        saved_draft), 2.0)))  # its own results, measured from the folder in another layout, are accepted
+
+
+def test_a_bench_json_that_names_no_draft_is_refused(tmp_path):
+    bench = json.loads(_bench_json(tmp_path, tiny_draft(), 2.0).read_text())
+    (tmp_path / "bench.json").write_text(json.dumps({key: value for key, value in bench.items() if key != "draft"}))
+    with pytest.raises(ValueError, match="does not record the draft it measured"):
+        load_results(tmp_path / "bench.json")
+
+
+def test_the_card_never_promises_faster_and_says_when_the_draft_decoded_slower(saved_draft, tmp_path):
+    draft = Eagle3DraftModel.from_pretrained(saved_draft)
+    slower = _card(saved_draft, results=load_results(_bench_json(tmp_path, draft, 0.8))).text
+    faster = _card(saved_draft, results=load_results(_bench_json(tmp_path, draft, 1.5))).text
+    unmeasured = _card(saved_draft).text
+    assert "on the machine measured below, this draft decoded slower than plain\n`generate`** (its fastest EAGLE-3 " \
+           "method at 0.80x)" in slower
+    assert "slower" not in faster and "see the measurements below" in faster
+    assert "no speed was measured with this draft" in unmeasured
+    assert not any("generation is faster" in card for card in (slower, faster, unmeasured))
 
 
 def test_the_card_of_a_trained_draft_describes_its_training(tmp_path, llama_target):

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.pipelines import base as pipelines_base
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel, check_compatibility
 from hf_eagle3.commands import cli
@@ -405,6 +406,44 @@ def test_ngram_candidates_given_to_generate_as_a_string_is_refused_not_read_as_t
                               ngram_candidates="no")
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda config: None, r"config\.json holds null, not an object of config fields"),
+    (lambda config: [config], r"config\.json holds a JSON list, not an object of config fields"),
+    (lambda config: config | {"hf_eagle3": "x"}, r"config\.json holds a str as 'hf_eagle3', not an object of fields"),
+])
+def test_a_damaged_config_is_refused_naming_the_file_wherever_a_draft_is_accepted(tmp_path, damage, message):
+    tiny_draft().save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(damage(json.loads(config.read_text()))))
+    with pytest.raises(ValueError, match=message):
+        Eagle3DraftModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):  # pipeline(assistant_model=PATH) reads the config first
+        pipelines_base.load_assistant_model(tiny_target(), str(tmp_path), None)
+    with pytest.raises(SystemExit, match=message):  # bench, tune-tree and demo load drafts the same way
+        cli.main(["tune-tree", "--draft", str(tmp_path), "--show-calibration"])
+
+
+def test_a_config_claiming_huge_sizes_is_refused_before_they_are_allocated(tmp_path):
+    tiny_draft().save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"intermediate_size": 2**40}))
+    # allocating the MLP at that size (140 TB) would fail with torch's allocation error, not this one
+    with pytest.raises(ValueError, match=r"wrong shape midlayer\.mlp\.down_proj\.weight \(32, 64\) \(its config "
+                                         r"expects \(32, 1099511627776\)\)"):
+        Eagle3DraftModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("flag", [None, "yes"])
+def test_a_saved_profile_row_whose_ngram_flag_is_no_boolean_is_refused_when_the_draft_loads(tmp_path, flag):
+    profile = [{"tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 3, "tau": 1.5, "ngram_candidates": True}]
+    tiny_draft(tree_shape="auto", acceptance_profile=profile).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["hf_eagle3"]["acceptance_profile"][0]["ngram_candidates"] = flag
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StrictDataclassClassValidationError, match="optionally ngram_candidates \\(true or false\\)"):
+        Eagle3DraftModel.from_pretrained(tmp_path)
+
+
 def _nan_weights(folder):
     weights = load_file(folder / "model.safetensors")
     save_file({name: tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
@@ -421,7 +460,7 @@ def _narrower_fc(folder):
     (_nan_weights, r"has NaN or infinite values in fc\.weight, .*midlayer\.self_attn\.q_proj\.weight",
      r"NaN or infinite values in fc\.weight"),
     (lambda folder: (folder / "config.json").write_text("[1, 2]"),
-     r"The config.json of .* holds a JSON list, not an object of config fields", r"config.json holds a JSON list"),
+     r"config.json holds a JSON list, not an object of config fields", r"config.json holds a JSON list"),
     (_narrower_fc, r"wrong shape fc\.weight \(32, 95\) \(its config expects \(32, 96\)\)",
      r"fc\.weight \(32, 95\) \(expected \(32, 96\)\)"),
 ])

@@ -362,6 +362,17 @@ def test_settings_that_would_silently_ruin_a_run_are_refused_up_front(dataset, t
         config_for(dataset, tmp_path, **setting)
 
 
+@pytest.mark.parametrize("option, value, bound", [("--draft-layers", 100000, "64"),
+                                                  ("--intermediate-size", 10**9, "262,144"),
+                                                  ("--draft-vocab-size", 10**9, "1,048,576"),
+                                                  ("--ttt-steps", 10**6, "64"), ("--max-length", 10**9, "1,048,576")])
+def test_a_size_setting_past_its_bound_is_refused_before_anything_is_allocated(dataset, tmp_path, option, value,
+                                                                              bound):
+    with pytest.raises(SystemExit, match=f"{option} must be at most {bound}, got {value:,}"):
+        cli.main(["train", "--data", str(dataset), "--output-dir", str(tmp_path), option, str(value)])
+    assert not any(tmp_path.iterdir())  # nothing written, nothing built
+
+
 def test_the_cli_reports_a_bad_setting_in_one_sentence(dataset, tmp_path):
     from hf_eagle3.commands import cli
 
@@ -448,9 +459,12 @@ def test_data_regenerated_by_another_model_is_reported(dataset, target, tmp_path
 
 
 def test_the_trained_draft_records_its_acceptance_profile_and_decodes_with_an_auto_tree(dataset, target, tmp_path,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, capsys):
     monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path / "cache"))
     train(config_for(dataset, tmp_path / "run", profile_prompts=2), target=target, progress=False)
+    # the run ends saying whether the draft it wrote decodes faster than plain decoding here
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith(f"Wrote {tmp_path / 'run' / 'draft'}, ") and "plain decoding on this machine" in verdict
     draft = Eagle3DraftModel.from_pretrained(tmp_path / "run" / "draft")
     profile = draft.config.acceptance_profile
     assert draft.config.tree_shape == "auto" and {row["tree_top_k"] for row in profile} == {1, 2, 4, 8}

@@ -51,6 +51,7 @@ from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
 from ..utils.extras import require
+from ..utils.fingerprint import draft_identity
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
@@ -595,6 +596,12 @@ def verification_cost_report(target, token_counts: list[int], layer_ids: list[in
     return table
 
 
+def draft_record(name_or_path: str, draft: Eagle3DraftModel) -> dict:
+    """`bench.json`'s `draft`: the draft as named, its fingerprint and config digest (`draft_identity`), so that
+    `hf-eagle3 push` never shows these results on another draft's card."""
+    return {"name_or_path": str(name_or_path), **draft_identity(draft.config, draft.state_dict())}
+
+
 def _run(args: argparse.Namespace) -> None:
     if not args.verification_cost:
         require("`hf-eagle3 bench`", {"matplotlib": "bench", **prompt_set_packages(args.prompts)})
@@ -625,6 +632,7 @@ def _run(args: argparse.Namespace) -> None:
     machine = machine_description(target.device)
     result["settings"] = {key: value for key, value in vars(args).items() if key != "run"} | {
         "machine": machine, "torch_threads": torch.get_num_threads()}
+    result["draft"] = draft_record(args.draft, draft)
     (output_dir / "bench.json").write_text(json.dumps(result, indent=1))
     table = bench_markdown(result["summary"], machine, args.dtype, torch.get_num_threads())
     (output_dir / "bench.md").write_text(table)

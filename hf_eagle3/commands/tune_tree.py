@@ -106,7 +106,8 @@ def recalibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_co
 
 
 def _run(args: argparse.Namespace) -> None:
-    require("`hf-eagle3 tune-tree`", prompt_set_packages(args.prompts))
+    if not (args.show_calibration or args.recalibrate):  # those read or measure costs, no prompt set
+        require("`hf-eagle3 tune-tree`", prompt_set_packages(args.prompts))
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1 (prompts per set), got {args.limit}: a tree shape cannot be chosen "
                          "from no prompts.")

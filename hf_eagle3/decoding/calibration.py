@@ -287,6 +287,8 @@ def profile_problem(profile, draft_vocab_size: int) -> str | None:
             depth = _count(row.get("tree_depth"), "tree_depth", MAX_TREE_DEPTH)
             top_k = _count(row.get("tree_top_k"), "tree_top_k", min(MAX_TREE_TOKENS, draft_vocab_size))
             total = _count(row.get("tree_total_tokens"), "tree_total_tokens", MAX_TREE_TOKENS)
+            if not isinstance(row.get("ngram_candidates", False), bool):
+                raise TypeError(f"ngram_candidates must be true or false, got {row['ngram_candidates']!r}")
             if total > max_candidates(depth, top_k):
                 raise ValueError(f"{total} tokens do not fit a tree of depth {depth} and top-k {top_k}")
             by_set = row.get("tau_by_set", {})
@@ -706,6 +708,12 @@ def calibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_conf
         costs = read_record(path, key, profile)
         if costs is not None and costs.spread <= MAX_SPREAD:
             return costs, path
+    logger.warning(
+        f"Calibrating tree_shape='auto' for this machine (batch size {batch_size}"
+        f"{', compiled' if compile_config is not None else ''}): measuring decode steps, verifications and drafting "
+        f"of {len(profile)} profiled shapes, once; on a busy 2-core CPU this takes one to four minutes for a "
+        f"135M-parameter target (more with larger batches, targets or compilation), then {path} is reused."
+    )
     for _ in range(2):
         costs = measure(target, draft, profile, batch_size=batch_size, compile_config=compile_config,
                         static_length=static_length)

@@ -19,9 +19,9 @@ not). `install` wraps it once; installing again leaves it as it is.
 import functools
 import os
 
-from transformers import PreTrainedConfig
 from transformers.pipelines import base
 
+from ..configuration_eagle3 import Eagle3Config
 from ..conversion.foreign import is_eagle3_draft
 from ..modeling_eagle3 import Eagle3DraftModel
 from .compatibility import check_compatibility, record_target_special_tokens, target_layer_ids
@@ -31,7 +31,7 @@ def _wrap_load_assistant_model(original):
     @functools.wraps(original)
     def load_assistant_model(model, assistant_model, assistant_tokenizer):
         if isinstance(assistant_model, (str, os.PathLike)) and model.can_generate():
-            config, _ = PreTrainedConfig.get_config_dict(assistant_model)
+            config, _ = Eagle3Config.get_config_dict(assistant_model)  # a damaged draft's config refused
             if is_eagle3_draft(config):  # in any format Eagle3DraftModel.from_pretrained reads
                 assistant_model = Eagle3DraftModel.from_pretrained(assistant_model, dtype=model.dtype)
                 assistant_model = assistant_model.to(model.device)

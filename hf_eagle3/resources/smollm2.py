@@ -17,6 +17,7 @@ from ..utils.cache import cache_dir
 from ..utils.extras import SMOLLM2_PACKAGE, require_smollm2
 
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_LICENSE = "apache-2.0"  # its model card's
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -63,9 +64,14 @@ def _build_cache(target_dir: Path) -> None:
         ) from error
 
 
+def smollm2_dir() -> Path:
+    """Where the safetensors SmolLM2-135M-Instruct is cached (built there by `smollm2_path`)."""
+    return cache_dir() / "SmolLM2-135M-Instruct"
+
+
 def smollm2_path() -> Path:
     """Directory of the cached safetensors SmolLM2-135M-Instruct, building it on first use."""
-    target_dir = cache_dir() / "SmolLM2-135M-Instruct"
+    target_dir = smollm2_dir()
     if not (target_dir / "config.json").exists():
         require_smollm2()
         target_dir.parent.mkdir(parents=True, exist_ok=True)

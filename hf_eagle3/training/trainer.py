@@ -54,6 +54,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from ..configuration_eagle3 import Eagle3Config
+from ..decoding.calibration import choose_tree
 from ..decoding.compatibility import adopt_target_layers, check_compatibility, model_name, record_target_special_tokens
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import load_target_model, save_draft
@@ -98,6 +99,11 @@ DRAFT_VOCABULARY_FILE = "draft_vocab.safetensors"
 # of the tokens of ordinary data, and under 1 % the length cap (or a template longer than it) left nearly nothing to
 # learn from, so the run would spend every target forward on prompts.
 MIN_SUPERVISED_SHARE = 0.01
+# The largest value of each size setting, checked before anything is allocated: far past any draft's or run's needs
+# (the largest targets' MLPs are ~50k wide, their vocabularies ~256k), short of sizes that exhaust memory at start.
+SIZE_BOUNDS = {"draft_layers": 64, "intermediate_size": 1 << 18, "draft_vocab_size": 1 << 20, "ttt_steps": 64,
+               "eval_ttt_steps": 64, "max_length": 1 << 20, "batch_size": 1 << 12,
+               "gradient_accumulation_steps": 1 << 12, "threads": 1 << 10}
 
 
 def _setting(default, help: str):
@@ -177,6 +183,9 @@ class TrainConfig:
         optional_at_least_one = ("max_steps", "threads", "intermediate_size")
         problems += [f"--{name.replace('_', '-')} must be >= 1 when given, got {getattr(self, name)}"
                      for name in optional_at_least_one if getattr(self, name) is not None and getattr(self, name) < 1]
+        problems += [f"--{name.replace('_', '-')} must be at most {bound:,}, got {getattr(self, name):,}"
+                     for name, bound in SIZE_BOUNDS.items()
+                     if getattr(self, name) is not None and getattr(self, name) > bound]
         if self.eval_batches is not None and self.eval_batches < 0:
             problems.append(f"--eval-batches must be >= 0 when given (0: no held-out evaluation), got "
                             f"{self.eval_batches}")
@@ -959,7 +968,23 @@ def train(
     if accelerator.is_main_process:
         record_acceptance_profile(draft, target, eval_examples[: config.profile_prompts], show_progress)
         save_draft(draft, output_dir / "draft", getattr(torch, config.save_dtype))
+        print(speed_verdict(draft, target, output_dir / "draft"))
     return draft
+
+
+def speed_verdict(draft: Eagle3DraftModel, target, folder: Path) -> str:
+    """A run's last line: whether the draft it wrote decodes faster than plain decoding on this machine, as
+    `tree_shape="auto"` predicts from its acceptance profile and this machine's costs (measured once and cached)."""
+    if not draft.config.acceptance_profile:
+        return (f"Wrote {folder}, without an acceptance profile (--profile-prompts 0 or no held-out prompt), so "
+                f"whether it decodes faster than plain decoding is not known: measure it with `hf-eagle3 bench "
+                f"--draft {folder}`.")
+    choice = choose_tree(target, draft)
+    if choice.settings is None:
+        return (f"Wrote {folder}, which is not predicted to decode faster than plain decoding on this machine "
+                f"(generate decodes plainly with it): {choice.reason}")
+    return (f"Wrote {folder}, predicted at {choice.predicted_speedup:.2f}x plain decoding on this machine: "
+            f"{choice.reason}. `hf-eagle3 bench --draft {folder}` measures it.")
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI

@@ -62,3 +62,24 @@ def weights_fingerprint(model) -> str:
                   if module is not None]
     return digest([architecture, [tensor_digest(weight.detach().flatten()[:65536].to(torch.bfloat16))
                                   for weight in embeddings]])
+
+
+# What a draft computes: the config fields of its shape (not its tree defaults, acceptance profile, name or versions)
+DRAFT_ARCHITECTURE = (
+    "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "target_hidden_size", "target_layer_ids", "rms_norm_eps", "hidden_act",
+    "rope_parameters", "fc_norm", "norm_before_fc", "norm_before_residual", "norm_output", "qk_norm",
+    "share_target_embedding", "share_target_lm_head", "layer_types", "sliding_window")
+# Weights every draft stores, whatever its variant
+DRAFT_IDENTITY_WEIGHTS = ("fc.weight", "midlayer.mlp.down_proj.weight")
+
+
+def draft_identity(config, tensors: dict) -> dict:
+    """What identifies an EAGLE-3 draft whatever its layout, dtype and folder: a digest of its config's architecture
+    fields (`config`) and a fingerprint of its stored weights in bfloat16 (`tensors`: a state dict or a checkpoint's
+    tensors), so that results measured with one draft are never shown for another."""
+    return {
+        "fingerprint": digest([tensor_digest(tensors[name].detach().to(torch.bfloat16))
+                               for name in DRAFT_IDENTITY_WEIGHTS]),
+        "config_digest": digest({name: getattr(config, name, None) for name in DRAFT_ARCHITECTURE}),
+    }

@@ -242,6 +242,22 @@ class Eagle3Config(PreTrainedConfig):
             config_dict = {"model_type": cls.model_type, **served_layout_fields(config_dict, source)}
         return config_dict, kwargs
 
+    @classmethod
+    def _dict_from_json_file(cls, json_file) -> dict:
+        """`PreTrainedConfig._dict_from_json_file`, refusing contents that are not a draft's config (a JSON list or
+        `null`, an `hf_eagle3` or `eagle_config` key that holds no object), naming the file and the field."""
+        config_dict = super()._dict_from_json_file(json_file)
+        if not isinstance(config_dict, dict):
+            kind = "null" if config_dict is None else f"a JSON {type(config_dict).__name__}"
+            problem = f"holds {kind}, not an object of config fields"
+        else:
+            problem = next((f"holds a {type(config_dict[name]).__name__} as {name!r}, not an object of fields"
+                            for name in (SERVED_SETTINGS_KEY, "eagle_config")
+                            if config_dict.get(name) is not None and not isinstance(config_dict[name], dict)), None)
+        if problem:
+            raise ValueError(f"{json_file} {problem}: it is damaged. Save or download the draft again.")
+        return config_dict
+
     def __post_init__(self, **kwargs):
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.vocab_size
@@ -299,11 +315,14 @@ class Eagle3Config(PreTrainedConfig):
             if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
                 problems.append(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
         for row in self.acceptance_profile or []:
-            shape_keys = set(row) - {"ngram_candidates", "tau_by_set"}
-            if shape_keys != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or not row["tau"] >= 1:
+            shape_keys = set(row) - {"ngram_candidates", "tau_by_set"} if isinstance(row, dict) else set()
+            tau = row.get("tau") if isinstance(row, dict) else None
+            if (shape_keys != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or isinstance(tau, bool)
+                    or not isinstance(tau, int | float) or not tau >= 1
+                    or not isinstance(row.get("ngram_candidates", False), bool)):
                 problems.append(
                     "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1} and "
-                    f"optionally ngram_candidates and tau_by_set, got {row}"
+                    f"optionally ngram_candidates (true or false) and tau_by_set, got {row}"
                 )
                 break
         if "sliding_attention" in (self.layer_types or []) and not (self.sliding_window or 0) >= 1:
