@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, StaticCache
 
+from ..utils.transformers_api import crop_cache
 from .drafter import DraftProposal
 from .proposer import Proposer, continuation_tokens
 from .stats import Eagle3RowStats
@@ -133,4 +134,4 @@ def keep_cache_entries(cache: DynamicCache | StaticCache, start: int, keep: torc
         index = (start + keep)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
         layer.keys[:, :, start:end] = layer.keys.gather(2, index)
         layer.values[:, :, start:end] = layer.values.gather(2, index)
-    cache.crop(end - int(cache.get_seq_length()))
+    crop_cache(cache, end - int(cache.get_seq_length()))

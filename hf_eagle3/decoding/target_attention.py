@@ -3,7 +3,9 @@ the target's sliding window where it has one, or node by node over exactly plain
 
 import torch
 
+from ..utils.transformers_api import attention_implementation
 from .exact_attention import KEYWORD, TreeKeyLayout, check_applied
+from .exact_attention import install as install_exact_attention
 from .tree import DraftTree, tree_attention_mask
 
 
@@ -28,10 +30,10 @@ class TargetAttention:
             self.sliding_window = None
         self.mixed = self.sliding_window is not None and "full_attention" in layer_types
         self.exact = exact
-        if exact and (self.sliding_window is not None or model.config._attn_implementation != "sdpa"):
+        if exact and (self.sliding_window is not None or attention_implementation(model.config) != "sdpa"):
             raise ValueError(
                 "exact_attention=True reproduces plain decoding's sdpa attention over full-attention layers; "
-                f"{type(model).__name__} uses {model.config._attn_implementation!r} attention"
+                f"{type(model).__name__} uses {attention_implementation(model.config)!r} attention"
                 f"{' with a sliding window' if self.sliding_window is not None else ''}: load it with "
                 "attn_implementation='sdpa', or drop exact_attention."
             )
@@ -45,6 +47,8 @@ class TargetAttention:
                 "exact_attention=True needs every prompt token visible (plain decoding over a padded prompt uses a "
                 "mask it cannot reproduce node by node): strip the padding, or drop exact_attention."
             )
+        if exact:
+            install_exact_attention()
 
     def verification_kwargs(self, trees: list[DraftTree], prefix_length: int) -> dict:
         """The keyword arguments of the verification forward of `trees` after `prefix_length` cache entries that say
