@@ -18,6 +18,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..configuration_eagle3 import Eagle3Config
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..utils.transformers_api import keys_not_saved
 
 # Buffers mapping draft ids to target ids: `d2t[i]` is the offset of draft id i (target id = i + d2t[i]) and
 # `t2d[t]` says whether target id t is in the draft vocabulary. Both may be absent from a source checkpoint.
@@ -127,7 +128,7 @@ class DraftCheckpoint:
     ) -> "DraftCheckpoint":
         """The draft `model` as `save_pretrained` saves it (its config, and `state_dict` or its own weights without
         the target's modules), validated by [`DraftCheckpoint.build`]."""
-        ignored = model._keys_to_ignore_on_save or set()
+        ignored = keys_not_saved(model)
         tensors = {name: tensor.detach().cpu() for name, tensor in (state_dict or model.state_dict()).items()
                    if name not in ignored}
         fields = copy.deepcopy({name: getattr(model.config, name) for name in Eagle3Config.__annotations__})
@@ -195,7 +196,7 @@ def meta_model(config: Eagle3Config) -> Eagle3DraftModel:
 def _saved_tensor_specs(config: Eagle3Config) -> dict[str, torch.Tensor]:
     """The (meta) tensors `Eagle3DraftModel.save_pretrained` writes for `config`, by name."""
     model = meta_model(config)
-    ignored = model._keys_to_ignore_on_save or set()
+    ignored = keys_not_saved(model)
     return {name: tensor for name, tensor in model.state_dict().items() if name not in ignored}
 
 

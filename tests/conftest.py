@@ -39,3 +39,36 @@ def sampling_target(_peaked_target):
 @pytest.fixture
 def sampling_draft(sampling_target):
     return fit_draft(tiny_draft(vocab_size=SAMPLING_VOCAB, draft_vocab_size=SAMPLING_VOCAB), sampling_target, steps=60)
+
+
+# The compatibility subset (marker `compat`): CI runs it also under the oldest and the newest tested transformers
+# (.ci/compat), so each feature whose transformers surface differs between releases has a test here, by column of
+# docs/compatibility.md's table.
+COMPAT_TESTS = {
+    "greedy, fixed tree": ["test_generation.py::test_greedy_equals_plain_decoding_with_a_draft_that_accepts[tree]",
+                           "test_generation.py::test_greedy_equals_plain_decoding_with_a_draft_that_accepts[exact-tree]",
+                           "test_generation.py::test_streamer_receives_the_same_tokens",
+                           "test_generation.py::test_return_dict_outputs_match_plain_decoding"],
+    "auto": ["test_calibration.py::test_auto_decodes_with_the_predicted_fastest_shape"],
+    "sampling": ["test_sampling.py::test_eagle3_sampling_matches_the_exact_distribution[top-k-20-tree]"],
+    "batch": ["test_batches.py::test_batched_greedy_equals_plain_batched_greedy_row_for_row[llama-4]"],
+    "pipeline": ["test_pipelines.py::test_text_generation_pipeline_runs_eagle3_with_the_draft_as_assistant_model",
+                 "test_pipelines.py::test_a_draft_in_sglang_format_given_to_the_pipeline_as_a_path_equals_plain_greedy"],
+    "custom_generate": ["test_batches.py::test_custom_generate_callable_equals_assistant_model",
+                        "test_batches.py::test_custom_generate_directory_of_a_draft_repository_equals_assistant_model"],
+    "static cache": ["test_generation.py::test_static_cache_is_lossless[tree]",
+                     "test_prefilled_cache.py::test_a_cache_holding_a_prefix_continues_exactly_as_plain_generate"
+                     "[tree-static]"],
+    "train step": ["test_trainer.py::test_a_draft_of_two_decoder_layers_trains_saves_them_and_decodes_as_plain_greedy"],
+    "convert": ["test_conversion_cli.py::test_cli_reads_the_target_config",
+                "test_served_layout.py::test_from_pretrained_reads_back_the_same_draft[variant0-dtype0]"],
+    "import": ["test_import_effects.py::test_importing_hf_eagle3_leaves_generate_pipelines_and_the_attention_registries"
+               "_as_they_were"],
+}
+
+
+def pytest_collection_modifyitems(items):
+    subset = {f"tests/{test}" for tests in COMPAT_TESTS.values() for test in tests}
+    for item in items:
+        if item.nodeid in subset:
+            item.add_marker(pytest.mark.compat)

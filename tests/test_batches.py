@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from hf_eagle3.generation import Eagle3GenerateOutput, eagle3_generate
+from hf_eagle3.utils.transformers_api import output_cache
 
 PAD = 0
 LENGTHS = (3, 9, 17, 5, 12, 1, 7, 14)  # prompt lengths of rows 0..7
@@ -192,7 +193,7 @@ def test_stats_come_back_in_the_output(llama_target, fitted_draft):
     assert stats.settings.total_tokens == 12 and stats.num_cycles >= max(len(r.acceptance_lengths) for r in stats.rows)
     assert min(stats.prefill_seconds, stats.draft_seconds, stats.verify_seconds) > 0
     assert stats.total_seconds >= stats.prefill_seconds + stats.draft_seconds + stats.verify_seconds
-    assert out.cache is None  # a batch's cache holds rows that left and hidden entries
+    assert output_cache(out) is None  # a batch's cache holds rows that left and hidden entries
 
 
 def test_two_threads_each_get_correct_outputs_and_their_own_stats(llama_target, fitted_draft):

@@ -31,6 +31,7 @@ from hf_eagle3.decoding.calibration import (
     profile_shapes,
 )
 from hf_eagle3.training.profile import acceptance_profile
+from hf_eagle3.utils.transformers_api import output_cache
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 61, 8]])
 
@@ -386,7 +387,8 @@ def test_a_static_cache_call_reads_the_record_of_its_cache_length_rounded_up_to_
     output = llama_target.generate(PROMPT, max_new_tokens=40, do_sample=False, assistant_model=auto_draft,
                                    cache_implementation="static", return_dict_in_generate=True)
     assert list(cache.iterdir()) == [path]  # read, not measured again for a cache of another length
-    assert output.cache.layers[0].max_cache_len == 256 and "a static cache of 256" in output.eagle3_stats.shape_choice
+    assert output_cache(output).layers[0].max_cache_len == 256
+    assert "a static cache of 256" in output.eagle3_stats.shape_choice
     assert torch.equal(output.sequences, llama_target.generate(PROMPT, max_new_tokens=40, do_sample=False))
 
 

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from hf_eagle3.training import decode_attention as module
 from hf_eagle3.training.decode_attention import ATTENTION_NAME, decode_attention
+from hf_eagle3.utils.transformers_api import CACHE
 
 
 def left_padded_batch(vocab_size: int, lengths=(9, 4, 7), seed: int = 1):
@@ -26,12 +27,12 @@ def decode_logits(model, input_ids, attention_mask, steps: int = 6) -> torch.Ten
     """The logits of a prefill and `steps` greedy single-token steps over a dynamic cache, `[steps + 1, B, V]`."""
     cache, logits = DynamicCache(config=model.config), []
     with torch.no_grad():
-        output = model(input_ids, attention_mask=attention_mask, cache=cache)
+        output = model(input_ids, attention_mask=attention_mask, **{CACHE: cache})
         for _ in range(steps):
             logits.append(output.logits[:, -1])
             next_ids = logits[-1].argmax(-1, keepdim=True)
             attention_mask = torch.cat([attention_mask, torch.ones_like(next_ids)], dim=1)
-            output = model(next_ids, attention_mask=attention_mask, cache=cache)
+            output = model(next_ids, attention_mask=attention_mask, **{CACHE: cache})
     logits.append(output.logits[:, -1])
     return torch.stack(logits)
 

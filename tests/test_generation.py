@@ -11,6 +11,7 @@ from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.decoding.drafter import TreeSettings
 from hf_eagle3.decoding.settings import resolve_settings
 from hf_eagle3.utils.fingerprint import weights_fingerprint
+from hf_eagle3.utils.transformers_api import CACHE, output_cache
 
 PROMPTS = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 17)]
 TREE = dict(tree_depth=4, tree_top_k=3, tree_total_tokens=12)
@@ -146,7 +147,8 @@ def test_return_dict_outputs_match_plain_decoding(llama_target, fitted_draft):
     assert len(ours.scores) == len(plain.scores) == len(ours.logits) == 20
     for mine, theirs in zip(ours.scores + ours.logits, plain.scores + plain.logits):
         assert mine.shape == theirs.shape and torch.allclose(mine, theirs, atol=1e-4)
-    assert isinstance(ours.cache, DynamicCache) and ours.cache.get_seq_length() == plain.cache.get_seq_length()
+    ours_cache, plain_cache = output_cache(ours), output_cache(plain)
+    assert isinstance(ours_cache, DynamicCache) and ours_cache.get_seq_length() == plain_cache.get_seq_length()
 
 
 def test_logits_processors_shape_greedy_decoding_as_in_plain_decoding(llama_target, fitted_draft):
@@ -226,7 +228,8 @@ def test_static_cache_is_lossless(llama_target, fitted_draft, shape):
         out = _eagle(llama_target, fitted_draft, prompt, max_new_tokens=30, cache_implementation="static",
                      return_dict_in_generate=True, **shape)
         assert torch.equal(out.sequences, expected) and fitted_draft.generation_stats.mean_acceptance_length > 1.0
-        assert isinstance(out.cache, StaticCache) and int(out.cache.get_seq_length()) == expected.shape[1] - 1
+        cache = output_cache(out)
+        assert isinstance(cache, StaticCache) and int(cache.get_seq_length()) == expected.shape[1] - 1
 
 
 def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refused_when_filled(
@@ -234,12 +237,12 @@ def test_a_static_cache_too_short_for_the_tree_is_replaced_when_empty_and_refuse
 ):
     prompt, kwargs = PROMPTS[1], dict(max_new_tokens=20) | TREE
     short = StaticCache(config=llama_target.config, max_cache_len=prompt.shape[1] + 20)  # no room for the last tree
-    assert torch.equal(_eagle(llama_target, fitted_draft, prompt, cache=short, **kwargs),
+    assert torch.equal(_eagle(llama_target, fitted_draft, prompt, **{CACHE: short}, **kwargs),
                        _plain(llama_target, prompt, max_new_tokens=20))
     filled = StaticCache(config=llama_target.config, max_cache_len=prompt.shape[1] + 20)
-    llama_target(prompt[:, :4], cache=filled)
+    llama_target(prompt[:, :4], **{CACHE: filled})
     with pytest.raises(ValueError, match="max_cache_len >= 41"):
-        _eagle(llama_target, fitted_draft, prompt, cache=filled, **kwargs)
+        _eagle(llama_target, fitted_draft, prompt, **{CACHE: filled}, **kwargs)
 
 
 @pytest.mark.parametrize(("own", "filled", "expected"), [(30, False, 256), (300, False, 300), (30, True, 30)],
@@ -249,7 +252,7 @@ def test_a_call_s_static_cache_length_is_its_own_or_rounded_up_to_a_block(llama_
 
     cache = StaticCache(config=llama_target.config, max_cache_len=own)
     if filled:
-        llama_target(PROMPTS[1][:, :4], cache=cache)
+        llama_target(PROMPTS[1][:, :4], **{CACHE: cache})
     assert static_cache_length(cache, 60, 12) == expected and static_cache_length(DynamicCache(), 60, 12) is None
 
 

@@ -1,6 +1,7 @@
 """Eagle3Config / Eagle3DraftModel: save-load, Auto classes, the cached tree-mask forward, compatibility errors."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -236,13 +237,18 @@ def test_missing_config_fields_are_errors_not_guesses():
         check_compatibility(config, tiny_target())
 
 
-def test_untested_transformers_versions_are_refused_clearly():
-    from hf_eagle3.decoding.compatibility import check_transformers_version
+def test_older_transformers_are_refused_and_newer_ones_warned_about_once_naming_the_range():
+    from hf_eagle3.utils.transformers_api import check_version
 
-    check_transformers_version("5.24.0")
-    for version in ("5.23.0", "5.25.0", "4.57.1"):
-        with pytest.raises(ImportError, match="tested with transformers >=5.24.0,<5.25.0"):
-            check_transformers_version(version)
+    for version in ("5.16.1", "5.19.0", "5.25.0", "5.25.9"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_version(version)
+    for version in ("5.16.0", "5.8.1", "4.57.1"):
+        with pytest.raises(ImportError, match=r"needs transformers >=5.16.1 .* 'transformers>=5.16.1,<5.26'"):
+            check_version(version)
+    with pytest.warns(UserWarning, match=r"tested with transformers >=5.16.1,<5.26 \(newest tested: 5.25\); found"):
+        check_version("5.26.0")
 
 
 def test_a_draft_vocabulary_mapped_outside_the_target_vocabulary_is_refused_on_load(tmp_path):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_eagle3.decoding.exact_attention import KEYWORD, TreeKeyLayout
+from hf_eagle3.decoding.exact_attention import KEYWORD, TreeKeyLayout, install
 from hf_eagle3.decoding.tree import build_tree, tree_attention_mask
 
 HEADS, KV_HEADS, HEAD_DIM, PREFIX = 6, 2, 16, 37
@@ -45,6 +45,7 @@ def test_each_node_gets_plain_decodings_attention_bit_for_bit(dtype):
     nodes = tree.num_nodes
     query = torch.randn(1, HEADS, nodes, HEAD_DIM, dtype=dtype)
     key, value = (torch.randn(1, KV_HEADS, PREFIX + nodes, HEAD_DIM, dtype=dtype) for _ in range(2))
+    install()  # as the first exact_attention=True call does
     attention = ALL_ATTENTION_FUNCTIONS["sdpa"]  # what an sdpa target's layers call
     output, _ = attention(_Attention(), query, key, value, None, dropout=0.0, scaling=HEAD_DIM**-0.5,
                           **{KEYWORD: TreeKeyLayout.of(tree, PREFIX)})

@@ -51,6 +51,7 @@ from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
 from ..utils.extras import require
+from ..utils.transformers_api import compile_on_every_device
 from ..utils.fingerprint import draft_identity
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
@@ -68,7 +69,7 @@ def compiled_kwargs(max_cache_len: int | None = None) -> dict:
     that fits every prompt gives every call the same cache shape: one compilation for the whole benchmark (per tree
     size for EAGLE-3, which compiles its verification forward)."""
     compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
-    compile_config._compile_all_devices = True
+    compile_on_every_device(compile_config)
     return {"cache_implementation": "static", "compile_config": compile_config, "max_cache_len": max_cache_len}
 
 

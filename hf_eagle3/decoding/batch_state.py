@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, StaticCache
 
+from ..utils.transformers_api import crop_cache
 from .proposer import Proposer, to_device
 from .stats import Eagle3RowStats
 
@@ -145,4 +146,4 @@ def keep_cache_entries(cache: DynamicCache | StaticCache, start: int, keep: torc
         index = offsets[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
         layer.keys[:, :, start:end] = layer.keys.gather(2, index)
         layer.values[:, :, start:end] = layer.values.gather(2, index)
-    cache.crop(end - length)
+    crop_cache(cache, end - length)

@@ -69,6 +69,7 @@ from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..utils.cache import cache_dir
 from ..utils.fingerprint import digest, model_fingerprint, tensor_digest
+from ..utils.transformers_api import CACHE, attention_implementation, crop_cache
 from . import grouped_attention
 from .compiled import compiled_forward
 from .cpu_layout import weight_layout
@@ -387,9 +388,9 @@ def _verification_probes(
         static_length = prefix_length + max(sizes)
     cache = (StaticCache(config=target.config, max_cache_len=static_length) if static_length else DynamicCache())
     forward = compiled_forward(target, compile_config) if compile_config is not None else target
-    target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), cache=cache)
+    target(torch.randint(0, vocab_size, (batch_size, prefix_length), device=device), **{CACHE: cache})
     prefix_visible = torch.ones(prefix_length, dtype=torch.bool, device=device)
-    folded = grouped_attention.forward_kwargs(target.config._attn_implementation)
+    folded = grouped_attention.forward_kwargs(attention_implementation(target.config))
 
     def probe(n: int) -> float:
         chain = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # any tree's mask costs the same
@@ -401,9 +402,9 @@ def _verification_probes(
         tokens = torch.randint(0, vocab_size, (batch_size, n), device=device)
         positions = torch.arange(prefix_length, prefix_length + n, device=device)[None].expand(batch_size, -1)
         seconds = _timed(device, lambda: forward(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                                 cache=cache, output_hidden_states=layer_ids, use_cache=True,
+                                                 **{CACHE: cache}, output_hidden_states=layer_ids, use_cache=True,
                                                  **folded))
-        cache.crop(-n)
+        crop_cache(cache, -n)
         return seconds
 
     return {n: (lambda n=n: probe(n)) for n in sizes}
@@ -581,7 +582,7 @@ def calibration_key(target, draft: Eagle3DraftModel, batch_size: int = 1, compil
         "device": str(target.device),
         "threads": torch.get_num_threads(),
         "dtype": str(target.dtype),
-        "attention": target.config._attn_implementation,
+        "attention": attention_implementation(target.config),
         "target": model_fingerprint(target),
         "target_layout": weight_layout(target),
         "draft": digest(draft.config.to_dict()),

@@ -1,10 +1,9 @@
-"""Checks that a draft fits a target before anything runs, and the transformers versions we support."""
+"""Checks that a draft fits a target before anything runs (the transformers releases supported:
+`utils.transformers_api`)."""
 
 import os
 from pathlib import Path
 
-import transformers
-from packaging.version import Version
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
@@ -12,19 +11,7 @@ from ..configuration_eagle3 import Eagle3Config, default_target_layer_ids
 from ..utils.fingerprint import weights_fingerprint
 
 logger = logging.get_logger(__name__)
-# `hf_eagle3.decoding.generate` replaces private generation methods whose signatures change between releases.
-TESTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def check_transformers_version(version: str = transformers.__version__) -> None:
-    low, high = TESTED_TRANSFORMERS
-    if not low <= Version(version) < high:
-        raise ImportError(
-            f"hf_eagle3 hooks private parts of transformers' generation loop and is tested with "
-            f"transformers >={low},<{high}; found {version}. Install a tested version: "
-            f"pip install 'transformers>={low},<{high}'."
-        )
 
 
 def target_layer_ids(draft_config: Eagle3Config, target: PreTrainedModel) -> list[int] | None:

@@ -17,7 +17,8 @@ How a forward asks for it, with no model or config changed: transformers 5.24 ch
 by `config._attn_implementation` alone (the choice is the model's, `set_attn_implementation` included), and passes a
 forward's extra keyword arguments on to that function. So `install` registers, once, an "sdpa" entry that is the
 sdpa function registered before it, unless a forward passes `exact_tree_keys=TreeKeyLayout.of(tree, prefix_length)`:
-threads sharing a target each choose per forward, and every other forward runs the plain function unchanged.
+threads sharing a target each choose per forward, and every other forward runs the plain function unchanged. The
+first call with `exact_attention=True` installs it (`TargetAttention`); importing hf_eagle3 leaves "sdpa" as it is.
 """
 
 import functools

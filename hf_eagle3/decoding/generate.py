@@ -31,6 +31,13 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 from transformers.utils import logging
 
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..utils.transformers_api import (
+    CACHE,
+    attention_implementation,
+    compiles_forwards,
+    recorded_mask_length,
+    sample,
+)
 from .compatibility import check_compatibility, target_layer_ids
 from .loop import decode
 from .settings import ASSISTED_ONLY_KWARGS, SETTING_KWARGS, DecodingSettings, resolve_settings
@@ -80,7 +87,7 @@ def _check_supported(model, input_ids: torch.Tensor, generation_config, model_kw
             f"EAGLE-3 decoding streams one sequence, got a batch of {batch_size}: drop the streamer, or generate one "
             "sequence per call."
         )
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get(CACHE)
     layer_type = {DynamicCache: DynamicLayer, StaticCache: StaticLayer}.get(type(cache))
     if layer_type is None or any(type(layer) is not layer_type for layer in cache.layers):
         raise ValueError(
@@ -96,7 +103,7 @@ def _check_supported(model, input_ids: torch.Tensor, generation_config, model_kw
         )
     if cache.get_seq_length() and batch_size > 1:
         raise ValueError("EAGLE-3 decoding of a batch starts from an empty cache: drop the cache argument.")
-    if model.config._attn_implementation.startswith("flash_attention"):
+    if attention_implementation(model.config).startswith("flash_attention"):
         raise ValueError(
             "flash-attention cannot take a tree attention mask: load the target with attn_implementation='sdpa'."
         )
@@ -147,16 +154,16 @@ def eagle3_generate(
     _check_device(draft, model)
     call = {"tree_depth": tree_depth, "tree_top_k": tree_top_k, "tree_total_tokens": tree_total_tokens,
             "tree_shape": tree_shape, "exact_attention": exact_attention, "ngram_candidates": ngram_candidates}
-    compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)  # as `_sample` decides
+    compiled = compiles_forwards(model, model_kwargs, generation_config)  # as `_sample` decides
     settings = resolve_settings(model, draft, generation_config, call, input_ids.shape[0],
                                 (generation_config.compile_config or CompileConfig()) if compiled else None,
-                                model_kwargs.get("cache"), input_ids.shape[1])
+                                model_kwargs.get(CACHE), input_ids.shape[1])
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if settings.tree is None:  # no tree pays here: plain decoding, the draft is not run
         return _decode_plainly(model, draft, settings, input_ids, logits_processor, stopping_criteria,
                                generation_config, streamer, model_kwargs)
-    model_kwargs["cache"] = _keeping_every_entry(model_kwargs.get("cache"))
+    model_kwargs[CACHE] = _keeping_every_entry(model_kwargs.get(CACHE))
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
     _check_cached_prefix(draft, input_ids, generation_config, model_kwargs)
     return decode(model, draft, settings, layer_ids, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -184,8 +191,7 @@ def _decode_plainly(model, draft: Eagle3DraftModel, settings: DecodingSettings, 
     _warn_plain_once(settings)
     stats = Eagle3GenerationStats(None, shape_choice=settings.shape_choice, choice=settings.choice)
     draft.generation_stats = stats
-    output = model._sample(input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
-                           **model_kwargs)
+    output = sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs)
     if not generation_config.return_dict_in_generate:
         return output
     return Eagle3GenerateOutput(**output, eagle3_stats=stats)
@@ -220,12 +226,12 @@ def _with_stop_string_criteria(model, arguments: dict) -> dict:
 def _check_cached_prefix(draft: Eagle3DraftModel, input_ids: torch.Tensor, generation_config, model_kwargs) -> None:
     """A cache that holds a prefix is continued as plain decoding continues it: `input_ids` is the whole sequence,
     the cache holds its first tokens, and the call feeds the rest."""
-    cached, length = int(model_kwargs["cache"].get_seq_length()), input_ids.shape[1]
+    cached, length = int(model_kwargs[CACHE].get_seq_length()), input_ids.shape[1]
     if not cached:
         return
     attention_mask = model_kwargs.get("attention_mask")
-    mask_length = attention_mask.shape[1] if attention_mask is not None else getattr(generation_config,
-                                                                                     "_mask_length", length)
+    mask_length = attention_mask.shape[1] if attention_mask is not None else recorded_mask_length(generation_config,
+                                                                                                  length)
     if mask_length != length or cached >= length:
         raise ValueError(
             f"The cache holds {cached} tokens and input_ids {length} (attention_mask {mask_length}): EAGLE-3 decoding "
@@ -297,8 +303,8 @@ def install() -> None:
     if missing:
         raise ImportError(
             f"This transformers' GenerationMixin.generate has no {', '.join(sorted(missing))} parameter, which "
-            "hf_eagle3 routes EAGLE-3 decoding through: install a tested transformers version "
-            "(hf_eagle3.decoding.compatibility.TESTED_TRANSFORMERS)."
+            "hf_eagle3 routes EAGLE-3 decoding through: install a supported transformers "
+            "(hf_eagle3.utils.transformers_api.SUPPORTED)."
         )
     hooked = _wrap_generate(original)
     hooked._hf_eagle3_hook = True

@@ -52,8 +52,11 @@ def grouped_tree_sdpa(sdpa, module, query, key, value, attention_mask, dropout: 
 
 def forward_kwargs(attn_implementation: str) -> dict:
     """The keyword arguments that fold the query groups of a verification forward, for a target attending with
-    `attn_implementation` (sdpa only: the fold is sdpa's)."""
-    return {KEYWORD: True} if attn_implementation == "sdpa" else {}
+    `attn_implementation` (sdpa only: the fold is sdpa's); the first such forward registers the function (`install`)."""
+    if attn_implementation != "sdpa":
+        return {}
+    install()
+    return {KEYWORD: True}
 
 
 def install() -> None:

@@ -25,6 +25,7 @@ from transformers.cache_utils import StaticCache
 from transformers.utils import logging
 
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..utils.transformers_api import CACHE, compiles_forwards, crop_cache, pad_token_tensor
 from .batch_state import BatchState, Row, Stopping, decoding_rows, keep_cache_entries
 from .calibration import correct_calibration
 from .compiled import compiled_forward
@@ -106,11 +107,11 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
            model_kwargs: dict, measured: bool) -> Run:
     batch_size = input_ids.shape[0]
     attention = TargetAttention(model, settings.exact_attention, model_kwargs.get("attention_mask"), batch_size)
-    cache, static_length = sized_static_cache(model, model_kwargs["cache"], generation_config, settings)
-    model_kwargs["cache"] = cache
+    cache, static_length = sized_static_cache(model, model_kwargs[CACHE], generation_config, settings)
+    model_kwargs[CACHE] = cache
     # As `_sample` does: the forwards after the prefill compiled where transformers compiles them (a static cache on
     # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
-    compiled = model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    compiled = compiles_forwards(model, model_kwargs, generation_config)
     forward = compiled_forward(model, generation_config.compile_config) if compiled else model
     draft.attach_target(model)
     do_sample = generation_config.do_sample
@@ -141,7 +142,7 @@ def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list
     prefix reaches it through the target's features of the fed tokens (the target attended to it)."""
     with run.stopwatch.time("prefill_seconds"):
         model, length = run.model, input_ids.shape[1]
-        cached = int(model_kwargs["cache"].get_seq_length())
+        cached = int(model_kwargs[CACHE].get_seq_length())
         model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=length - cached,
                                                            is_first_iteration=True, **model_kwargs)
         outputs = model(**model_inputs, output_hidden_states=run.layer_ids)
@@ -168,7 +169,7 @@ def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list
         for row in rows:
             run.streamer.put(torch.tensor(row.host_tokens[length:]))
     run.stats.rows = [row.stats for row in rows]
-    return rows, BatchState(rows, proposer, model_kwargs["cache"], visible, key_positions, key_positions[:, -1] + 1)
+    return rows, BatchState(rows, proposer, model_kwargs[CACHE], visible, key_positions, key_positions[:, -1] + 1)
 
 
 def _features(run: Run, outputs) -> torch.Tensor:
@@ -195,7 +196,7 @@ def verify(run: Run, state: BatchState, proposal: DraftProposal) -> tuple[torch.
             position_ids=node_positions,
             attention_mask=run.attention.verification_mask(tree.ancestors, state.visible, key_positions,
                                                            run.model.dtype, run.static_length),
-            cache=state.cache,
+            **{CACHE: state.cache},
             output_hidden_states=run.layer_ids,
             use_cache=True,
             **attends,
@@ -344,11 +345,11 @@ def _resume(run: Run, state: BatchState) -> None:
 def _finish(run: Run, rows: list[Row], state: BatchState, generation_config, start_time: float):
     cache = state.cache
     if run.batch_size == 1:  # a cycle cut short by a stop leaves entries past the last kept token: plain has none
-        cache.crop(min(0, len(rows[0].host_tokens) - 1 - state.cache_length))
+        crop_cache(cache, min(0, len(rows[0].host_tokens) - 1 - state.cache_length))
     if run.streamer is not None:
         run.streamer.end()
     final_length = max(row.stop_length for row in rows)
-    pad_token = generation_config._pad_token_tensor  # what `_sample` pads stopped rows with
+    pad_token = pad_token_tensor(generation_config)  # what `_sample` pads stopped rows with
     sequences = torch.stack([_right_padded(row.tokens[:final_length], final_length, pad_token) for row in rows])
     run.stopwatch.finish()
     run.stats.total_seconds = time.perf_counter() - start_time
@@ -358,7 +359,7 @@ def _finish(run: Run, rows: list[Row], state: BatchState, generation_config, sta
         sequences=sequences,
         scores=tuple(rows[0].scores) if run.stopping.keep_scores else None,
         logits=tuple(rows[0].logits) if run.stopping.keep_logits else None,
-        cache=cache if run.batch_size == 1 else None,
+        **{CACHE: cache if run.batch_size == 1 else None},
         eagle3_stats=run.stats,
     )
 

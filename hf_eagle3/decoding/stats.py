@@ -125,8 +125,9 @@ class Eagle3GenerationStats:
 class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` of an EAGLE-3 `generate` call, with what the call did (`eagle3_stats`).
 
-    `cache` is the target's cache for one sequence; for a batch it is `None` (rows leave the batch as they finish,
-    and the kept entries of rows that accepted fewer tokens are interleaved with unused ones)."""
+    `cache` (`past_key_values` before transformers 5.24: `utils.transformers_api.output_cache`) is the target's cache
+    for one sequence; for a batch it is `None` (rows leave the batch as they finish, and the kept entries of rows that
+    accepted fewer tokens are interleaved with unused ones)."""
 
     eagle3_stats: Eagle3GenerationStats | None = None
 

@@ -4,8 +4,10 @@ node over exactly plain decoding's keys (`exact_attention`)."""
 
 import torch
 
+from ..utils.transformers_api import attention_implementation
 from . import grouped_attention
 from .exact_attention import KEYWORD, TreeKeyLayout, check_applied
+from .exact_attention import install as install_exact_attention
 from .tree import DraftTree, tree_attention_mask
 
 
@@ -31,7 +33,7 @@ class TargetAttention:
             self.sliding_window = None
         self.mixed = self.sliding_window is not None and "full_attention" in layer_types
         self.exact = exact
-        self.implementation = model.config._attn_implementation
+        self.implementation = attention_implementation(model.config)
         if exact and (self.sliding_window is not None or self.implementation != "sdpa"):
             raise ValueError(
                 "exact_attention=True reproduces plain decoding's sdpa attention over full-attention layers; "
@@ -49,6 +51,8 @@ class TargetAttention:
                 "exact_attention=True needs every prompt token visible (plain decoding over a padded prompt uses a "
                 "mask it cannot reproduce node by node): strip the padding, or drop exact_attention."
             )
+        if exact:
+            install_exact_attention()
 
     def verification_kwargs(self, tree: DraftTree, prefix_length: int) -> dict:
         """The keyword arguments of the verification forward of `tree` after `prefix_length` cache entries that say

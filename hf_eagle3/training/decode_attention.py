@@ -21,6 +21,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..utils.transformers_api import attention_implementation
+
 ATTENTION_NAME = "hf_eagle3_grouped_decode"
 
 
@@ -66,7 +68,7 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 def decode_attention(model: PreTrainedModel):
     """Within the block, `model` attends with `grouped_decode_attention` where its implementation is sdpa (other
     implementations, eager or flash-attention say, are the user's choice and stay); restored after, also on error."""
-    implementation = model.config._attn_implementation
+    implementation = attention_implementation(model.config)
     if implementation != "sdpa":
         yield model
         return
