@@ -51,8 +51,8 @@ from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
 from ..utils.extras import require
-from ..utils.transformers_api import compile_on_every_device
 from ..utils.fingerprint import draft_identity
+from ..utils.transformers_api import compile_on_every_device
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
