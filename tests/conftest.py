@@ -50,7 +50,8 @@ COMPAT_TESTS = {
                            "test_generation.py::test_streamer_receives_the_same_tokens",
                            "test_generation.py::test_return_dict_outputs_match_plain_decoding"],
     "auto": ["test_calibration.py::test_auto_decodes_with_the_predicted_fastest_shape"],
-    "sampling": ["test_sampling.py::test_eagle3_sampling_matches_the_exact_distribution[top-k-20-tree]"],
+    # runs sampling end to end (its distribution is held exact by test_sampling.py in the full suite: 100 s a version)
+    "sampling": ["test_generation.py::test_exact_attention_samples_too"],
     "batch": ["test_batches.py::test_batched_greedy_equals_plain_batched_greedy_row_for_row[llama-4]"],
     "pipeline": ["test_pipelines.py::test_text_generation_pipeline_runs_eagle3_with_the_draft_as_assistant_model",
                  "test_pipelines.py::test_a_draft_in_sglang_format_given_to_the_pipeline_as_a_path_equals_plain_greedy"],
