@@ -54,7 +54,7 @@ def test_defaults_read_as_they_are_typed(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["tune-tree", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 1 2 4 8)" in help_text and "(default: calibration)" in help_text
+    assert "(default: 1 2 4 10)" in help_text and "(default: calibration)" in help_text
 
 
 def test_version_names_the_package_and_what_it_runs_on(capsys):

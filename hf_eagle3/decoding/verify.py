@@ -186,8 +186,8 @@ def accept_sampling(tree: DraftTree, scores: torch.Tensor, keep_scores: bool = F
     total = residual.sum(-1, keepdim=True)
     # Zero mass left only through float rounding (the rejected candidates held all of p): keep p itself.
     bonus = sample(torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), last))
-    tokens = tree.tokens.gather(1, path[:, 1:].clamp_min(0))
-    tokens = torch.cat([tokens, tokens[:, -1:]], dim=1).scatter(1, (lengths - 1)[:, None], bonus[:, None])
+    tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus[:, None]], dim=1)  # [b, D + 1]
+    tokens = tokens.scatter(1, (lengths - 1)[:, None], bonus[:, None])  # the bonus right after each row's path
     return _acceptance(lengths, path, tokens, scores, keep_scores)
 
 

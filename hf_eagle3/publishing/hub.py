@@ -354,7 +354,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(served_layout=True)
     parser.add_argument("--hf-eagle3-layout", action="store_false", dest="served_layout", default=argparse.SUPPRESS,
                         help="push a draft saved in hf-eagle3's own layout (model_type eagle3) as it is, instead of in "
-                             "the layout vLLM and SGLang load by id")
+                             "the layout vLLM and SGLang load by id (default: off)")
     parser.add_argument("--dry-run", action="store_true",
                         help="list what would be uploaded and what is left out, print the model card; upload nothing")
     parser.set_defaults(run=run)

@@ -94,7 +94,8 @@ def stored_dtype(name_or_path: str = "shipped") -> torch.dtype:
 def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtype) -> None:
     """`save_pretrained` a `dtype` copy of `draft` (casting the draft itself would cast the shared target embedding)."""
     copy = Eagle3DraftModel(draft.config)
-    copy.load_state_dict(draft.state_dict())
+    shared = draft._keys_to_ignore_on_save or set()  # the target's embedding / lm_head: the copy holds none
+    copy.load_state_dict({name: tensor for name, tensor in draft.state_dict().items() if name not in shared})
     copy.to(dtype).save_pretrained(directory)
 
 
