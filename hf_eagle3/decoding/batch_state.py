@@ -47,7 +47,7 @@ class Row:
             kept = min(len(new_tokens), stopping.max_length - len(self.host_tokens))
         else:
             kept = self._kept_until_stop(new_tokens, scores, logits, stopping)
-        self.host_tokens = self.host_tokens + new_tokens[:kept]
+        self.host_tokens.extend(new_tokens[:kept])
         self.tokens = torch.cat([self.tokens, device_tokens[:kept]])
         return new_tokens[:kept]
 

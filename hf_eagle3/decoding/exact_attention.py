@@ -21,14 +21,12 @@ threads sharing a target each choose per forward, and every other forward runs t
 first call with `exact_attention=True` installs it (`TargetAttention`); importing hf_eagle3 leaves "sdpa" as it is.
 """
 
-import functools
 import itertools
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..utils.transformers_api import wrap_sdpa
 from .tree import DraftTree
 
 KEYWORD = "exact_tree_keys"  # the forward keyword argument that carries a `TreeKeyLayout`
@@ -92,12 +90,7 @@ def exact_tree_sdpa(sdpa, module, query, key, value, attention_mask, exact_tree_
 
 def install() -> None:
     """Register the "sdpa" attention function that takes `exact_tree_keys` (idempotent)."""
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(sdpa, "_hf_eagle3_hook", False):
-        return
-    hooked = functools.wraps(sdpa)(functools.partial(exact_tree_sdpa, sdpa))
-    hooked._hf_eagle3_hook = True
-    AttentionInterface.register("sdpa", hooked)
+    wrap_sdpa(exact_tree_sdpa, "_hf_eagle3_hook")
 
 
 def check_applied(model, layout: TreeKeyLayout) -> None:

@@ -21,11 +21,10 @@ fit: one query (transformers packs it already), as many key/value heads as query
 or an argument sdpa folds into the mask itself (position bias, soft-capping, attention sinks).
 """
 
-import functools
 
 import torch
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..utils.transformers_api import wrap_sdpa
 
 KEYWORD = "grouped_tree_queries"  # the forward keyword argument that asks for the fold
 
@@ -61,9 +60,4 @@ def forward_kwargs(attn_implementation: str) -> dict:
 
 def install() -> None:
     """Register the "sdpa" attention function that takes `grouped_tree_queries` (idempotent)."""
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(sdpa, "_hf_eagle3_grouped", False):
-        return
-    hooked = functools.wraps(sdpa)(functools.partial(grouped_tree_sdpa, sdpa))
-    hooked._hf_eagle3_grouped = True
-    AttentionInterface.register("sdpa", hooked)
+    wrap_sdpa(grouped_tree_sdpa, "_hf_eagle3_grouped")

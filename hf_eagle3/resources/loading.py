@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..conversion import UnknownFormatError
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..utils.transformers_api import keys_not_saved
 from .prompts import calibration_prompt_sets, calibration_prompts, chat_input_ids, humaneval_prompts, mt_bench_questions
 
 SHIPPED_DRAFT = Path(__file__).parents[1] / "assets" / "smollm2-eagle3"
@@ -94,7 +95,7 @@ def stored_dtype(name_or_path: str = "shipped") -> torch.dtype:
 def save_draft(draft: Eagle3DraftModel, directory: str | Path, dtype: torch.dtype) -> None:
     """`save_pretrained` a `dtype` copy of `draft` (casting the draft itself would cast the shared target embedding)."""
     copy = Eagle3DraftModel(draft.config)
-    shared = draft._keys_to_ignore_on_save or set()  # the target's embedding / lm_head: the copy holds none
+    shared = keys_not_saved(draft)  # the target's embedding / lm_head: the copy holds none
     copy.load_state_dict({name: tensor for name, tensor in draft.state_dict().items() if name not in shared})
     copy.to(dtype).save_pretrained(directory)
 

@@ -19,11 +19,14 @@ What is private but the same in every supported release, named here so that a ch
 `_keys_to_ignore_on_save`, and `transformers.pipelines.base.load_assistant_model` (`decoding/pipelines.py`).
 """
 
+import functools
 import warnings
 
 import torch
 import transformers
 from packaging.version import Version
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # The releases tested (docs/compatibility.md; CI runs the `compat` tests under the first and the last), and the range
 # supported: from the oldest tested to one minor past the newest (pyproject.toml says the same). Below the range an
@@ -103,3 +106,15 @@ def attention_implementation(config) -> str:
 def keys_not_saved(model) -> set[str]:
     """The state-dict names `save_pretrained` leaves out of `model`'s checkpoint."""
     return set(model._keys_to_ignore_on_save or ())
+
+
+def wrap_sdpa(attention, marker: str) -> None:
+    """Register `attention` as transformers' "sdpa" attention function, over the one registered now (it is called as
+    `attention(sdpa, module, query, key, value, ...)`), once: an entry that already carries `marker` stays (markers
+    carry over to the wrappers registered above it)."""
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(sdpa, marker, False):
+        return
+    hooked = functools.wraps(sdpa)(functools.partial(attention, sdpa))
+    setattr(hooked, marker, True)
+    AttentionInterface.register("sdpa", hooked)
