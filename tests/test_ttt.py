@@ -5,13 +5,14 @@ import torch
 from helpers import HIDDEN, VOCAB, tiny_draft
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_eagle3.training.ttt import TrainingTimeTest, shift_left, ttt_attention
+from hf_eagle3.training.ttt import TrainingTimeTest, shift_left, target_distribution, ttt_attention
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 12, 4, 2, 8
 
 
-def explicit_figure6_attention(queries, keys, values, scaling):
-    """Reference: every step's queries against all `S * T` keys, masked as in Figure 6, `[S, B, T, H * D]`."""
+def explicit_figure6_attention(queries, keys, values, scaling, window=None):
+    """Reference: every step's queries against all `S * T` keys, masked as in Figure 6 (and by a sliding `window`),
+    `[S, B, T, H * D]`."""
     steps, length = len(keys), keys[0].shape[2]
     all_keys = torch.cat(keys, dim=2).repeat_interleave(HEADS // KV_HEADS, dim=1)  # [B, H, S*T, D]
     all_values = torch.cat(values, dim=2).repeat_interleave(HEADS // KV_HEADS, dim=1)
@@ -20,7 +21,7 @@ def explicit_figure6_attention(queries, keys, values, scaling):
     outputs = []
     for step, query in enumerate(queries):
         row = torch.arange(length)[:, None]
-        native = (key_step == 0) & (key_row <= row)
+        native = (key_step == 0) & (key_row <= row) & ((key_row > row + step - window) if window else True)
         own_chain = (key_step >= 1) & (key_step <= step) & (key_row == row)
         allowed = native | own_chain  # [T, S*T]
         scores = torch.matmul(query, all_keys.transpose(2, 3)) * scaling
@@ -30,26 +31,25 @@ def explicit_figure6_attention(queries, keys, values, scaling):
     return outputs
 
 
-def test_ttt_attention_equals_explicit_attention_with_figure6_mask():
+@pytest.mark.parametrize("chunk_rows", [LENGTH, 5, 1])
+@pytest.mark.parametrize("window", [None, 6])
+def test_ttt_attention_equals_explicit_attention_with_figure6_mask(chunk_rows, window):
     torch.manual_seed(0)
     steps = 5
     queries = [torch.randn(BATCH, HEADS, LENGTH, HEAD_DIM) for _ in range(steps)]
     keys = [torch.randn(BATCH, KV_HEADS, LENGTH, HEAD_DIM) for _ in range(steps)]
     values = [torch.randn(BATCH, KV_HEADS, LENGTH, HEAD_DIM) for _ in range(steps)]
-    causal = torch.full((LENGTH, LENGTH), torch.finfo(torch.float32).min).triu(1)
-    expected = explicit_figure6_attention(queries, keys, values, HEAD_DIM**-0.5)
+    expected = explicit_figure6_attention(queries, keys, values, HEAD_DIM**-0.5, window)
     for step in range(steps):
-        got = ttt_attention(queries[step], keys[: step + 1], values[: step + 1], HEAD_DIM**-0.5, causal)
+        got = ttt_attention(queries[step], keys[: step + 1], values[: step + 1], HEAD_DIM**-0.5, window, chunk_rows)
         assert (got - expected[step]).abs().max() <= 1e-5
 
 
-def saved_tensor_bytes(steps: int, length: int) -> int:
-    """Bytes autograd keeps for the backward pass of one TTT forward with `steps` steps (distinct storages)."""
-    torch.manual_seed(0)
-    draft = tiny_draft(draft_vocab_size=VOCAB)
-    draft.attach_target_embedding(torch.nn.Embedding(VOCAB, HIDDEN))
-    ttt = TrainingTimeTest(draft, steps=steps)
-    input_ids = torch.randint(0, VOCAB, (1, length))
+def attention_saved_bytes(length: int, steps: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes autograd keeps for the backward pass of one `ttt_attention` call (distinct storages)."""
+    query = torch.randn(1, heads, length, head_dim, requires_grad=True)
+    keys = [torch.randn(1, kv_heads, length, head_dim, requires_grad=True) for _ in range(steps)]
+    values = [torch.randn(1, kv_heads, length, head_dim, requires_grad=True) for _ in range(steps)]
     storages = {}
 
     def pack(tensor):
@@ -57,18 +57,19 @@ def saved_tensor_bytes(steps: int, length: int) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        ttt(input_ids, torch.randn(1, length, 3 * HIDDEN), torch.randn(1, length, VOCAB), torch.ones(1, length))
+        ttt_attention(query, keys, values, head_dim**-0.5)
     return sum(storages.values())
 
 
-def test_ttt_memory_grows_linearly_in_steps():
-    length = 256
-    memory = {steps: saved_tensor_bytes(steps, length) for steps in (2, 4, 6, 8)}
-    increments = [memory[4] - memory[2], memory[6] - memory[4], memory[8] - memory[6]]
-    # Equal increments per added step (linear), within 5%: no S*T x S*T tensor anywhere.
-    assert max(increments) <= 1.05 * min(increments), memory
-    explicit_scores_bytes = 4 * 4 * (8 * length) ** 2  # the [H, S*T, S*T] float32 score matrix alone, S = 8
-    assert memory[8] < explicit_scores_bytes, memory
+def test_ttt_attention_keeps_no_scores_for_backward():
+    length, steps, heads = 1024, 7, 16
+    memory = attention_saved_bytes(length, steps, heads, kv_heads=2, head_dim=16)
+    # Queries, outputs and log-sum-exps, and each chunk's keys, values and mask: a fraction of the scores
+    assert memory < 4 * heads * length * (length + steps) / 4, memory  # [H, T, T + s] float32
+
+
+def target_view(draft, target_logits):
+    return target_distribution(target_logits, torch.nn.Identity(), draft.draft_to_target)
 
 
 DRAFT_VARIANTS = [
@@ -112,7 +113,7 @@ def test_one_step_loss_is_soft_cross_entropy_of_the_next_next_token(draft_and_ba
     draft, input_ids, target_features = draft_and_batch
     target_logits = torch.randn(BATCH, LENGTH, VOCAB)
     loss_mask = (torch.rand(BATCH, LENGTH) < 0.7).long()
-    output = TrainingTimeTest(draft, steps=1)(input_ids, target_features, target_logits, loss_mask)
+    output = TrainingTimeTest(draft, steps=1)(input_ids, target_features, *target_view(draft, target_logits), loss_mask)
 
     # Row i reads t_{i+1} and g_i, predicts t_{i+2}: target distribution L_{i+1}, mask of token i+2.
     logits = draft(input_ids[:, 1:-1], target_features[:, :-2], use_cache=False).logits  # rows 0 .. T-3
@@ -130,7 +131,8 @@ def test_positions_whose_target_top1_is_outside_the_draft_vocabulary_are_masked(
     outside = (~draft.t2d).nonzero()[0, 0]
     target_logits = torch.zeros(BATCH, LENGTH, VOCAB)
     target_logits[..., outside] = 10.0  # the target's top-1 is never draftable
-    output = TrainingTimeTest(draft, steps=3)(input_ids, target_features, target_logits, torch.ones(BATCH, LENGTH))
+    target = target_view(draft, target_logits)
+    output = TrainingTimeTest(draft, steps=3)(input_ids, target_features, *target, torch.ones(BATCH, LENGTH))
     assert output.step_counts.sum() == 0 and output.loss == 0
     assert output.chain_accepted.sum() == 0 and output.chain_attempted[0] == BATCH * (LENGTH - 2)
 
@@ -139,10 +141,57 @@ def test_loss_weights_steps_by_decay_and_trains(draft_and_batch):
     draft, input_ids, target_features = draft_and_batch
     target_logits = torch.randn(BATCH, LENGTH, VOCAB)
     loss_mask = torch.ones(BATCH, LENGTH)
-    output = TrainingTimeTest(draft, steps=3, decay=0.5)(input_ids, target_features, target_logits, loss_mask)
+    target = target_view(draft, target_logits)
+    output = TrainingTimeTest(draft, steps=3, decay=0.5)(input_ids, target_features, *target, loss_mask)
     assert torch.allclose(output.loss, (output.step_losses * torch.tensor([1.0, 0.5, 0.25])).sum())
     output.loss.backward()
     assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is not None
+
+
+def reference_loss(draft, input_ids, target_features, target_logits, loss_mask, steps, decay):
+    """The TTT loss rebuilt from inference-time chain drafting: for every row, the draft's prefix forward and then
+    one cached step per drafted token, each scored against the target's distribution of the token it predicts."""
+    batch_size, length = input_ids.shape
+    target_probs = target_logits[..., draft.draft_to_target].softmax(-1)
+    kept = draft.t2d[target_logits.argmax(-1)]  # [B, T]: the target's top-1 at position j is draftable
+    loss = 0.0
+    for step in range(steps):
+        terms = []
+        for batch in range(batch_size):
+            for row in range(length - step - 2):  # predicts t_{row + step + 2}
+                position = row + step + 1
+                if not (loss_mask[batch, position + 1] and kept[batch, position]):
+                    continue
+                output = draft(input_ids[batch : batch + 1, 1 : row + 2], target_features[batch : batch + 1, : row + 1])
+                for drafted in range(1, step + 1):
+                    token = input_ids[batch : batch + 1, row + drafted + 1 : row + drafted + 2]
+                    output = draft(token, output.hidden_states[:, -1:], cache=output.cache)
+                log_probs = output.logits[0, -1].log_softmax(-1)
+                terms.append(-(target_probs[batch, position] * log_probs).sum())
+        if terms:
+            loss = loss + decay**step * torch.stack(terms).mean()
+    return loss
+
+
+def test_loss_and_gradients_equal_those_of_inference_time_chain_drafting(draft_and_batch):
+    """The checkpointed, chunked TTT gives the loss and the gradients of the same drafts made one cached step at a
+    time, as at inference."""
+    draft, input_ids, target_features = draft_and_batch
+    target_logits = torch.randn(BATCH, LENGTH, VOCAB)
+    target_logits[..., draft.draft_to_target[:8]] += 3.0  # most top-1 tokens draftable
+    loss_mask = (torch.rand(BATCH, LENGTH) < 0.8).long()
+    parameters = [parameter for parameter in draft.parameters() if parameter.requires_grad]
+    ttt = TrainingTimeTest(draft, steps=3, decay=0.8)
+    target_view = target_distribution(target_logits, torch.nn.Identity(), draft.draft_to_target, chunk_tokens=5)
+    loss = ttt(input_ids, target_features, *target_view, loss_mask).loss
+    gradients = torch.autograd.grad(loss, parameters, allow_unused=True)
+    expected = reference_loss(draft, input_ids, target_features, target_logits, loss_mask, steps=3, decay=0.8)
+    expected_gradients = torch.autograd.grad(expected, parameters, allow_unused=True)
+    assert torch.allclose(loss, expected, atol=1e-5)
+    for got, want in zip(gradients, expected_gradients):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
 
 
 def test_shift_left():

@@ -63,7 +63,7 @@ from ..utils.extras import require
 from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
 from .data import MANIFEST, Example, dataset_digests, load_dataset
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
-from .ttt import TrainingTimeTest
+from .ttt import TrainingTimeTest, target_distribution
 from .vocab import (
     coverage,
     draft_vocabulary_for_run,
@@ -258,8 +258,9 @@ def collate(examples: list[Example], indices: list[int], pad_token_id: int) -> d
 
 @torch.no_grad()
 def target_forward(target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int]):
-    """(features `[B, T, 3 k_t]` at `layer_ids` of `outputs.hidden_states`, final hidden state `[B, T, k_t]`)."""
-    outputs = target.model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    """(features `[B, T, 3 k_t]` at `layer_ids` of `outputs.hidden_states`, final hidden state `[B, T, k_t]`). Only
+    the hidden states at `layer_ids` are kept."""
+    outputs = target.model(input_ids=input_ids, output_hidden_states=layer_ids, use_cache=False)
     features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
     return features, outputs.last_hidden_state
 
@@ -300,7 +301,8 @@ class TargetFeatures:
             os.replace(partial, path)
 
     def __call__(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features `[B, T, 3 k_t]`, target logits `[B, T, V]`) for a collated batch on the target's device."""
+        """(features `[B, T, 3 k_t]`, final hidden state `[B, T, k_t]`) for a collated batch on the target's device
+        (`target_distribution` turns the second into the target's distributions)."""
         input_ids = batch["input_ids"].to(self.target.device)
         if self.precomputed_dir is None:
             features, final_hidden = target_forward(self.target, input_ids, self.layer_ids)
@@ -313,9 +315,7 @@ class TargetFeatures:
                 length = stored["features"].shape[0]
                 features[row, :length] = stored["features"].to(dtype)
                 final_hidden[row, :length] = stored["final_hidden"].to(dtype)
-        with torch.no_grad():
-            logits = self.target.lm_head(final_hidden)
-        return features, logits
+        return features, final_hidden
 
 
 # -------------------------------------------------------------------------------------------------------- draft
@@ -473,10 +473,11 @@ def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches,
     totals = torch.zeros((5, ttt.steps), dtype=torch.float64, device=accelerator.device)
     for indices in batches:
         batch = collate(examples, indices, features.target.config.pad_token_id or 0)
-        target_features, target_logits = features(batch, split)
+        target_features, final_hidden = features(batch, split)
+        target_view = target_distribution(final_hidden, features.target.lm_head, ttt.draft.draft_to_target)
         device = target_features.device
         with accelerator.autocast():
-            output = ttt(batch["input_ids"].to(device), target_features, target_logits, batch["loss_mask"].to(device))
+            output = ttt(batch["input_ids"].to(device), target_features, *target_view, batch["loss_mask"].to(device))
         totals += torch.stack(
             [output.step_losses * output.step_counts, output.step_correct, output.step_counts,
              output.chain_accepted, output.chain_attempted]
@@ -916,12 +917,13 @@ def train(
                 batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
             batch = collate(train_examples, batches[state["round"] * world_size + rank], pad_token_id)
             state["round"] += 1
-            target_features, target_logits = features(batch, "train")
+            target_features, final_hidden = features(batch, "train")
+            target_view = target_distribution(final_hidden, target.lm_head, draft.draft_to_target)
             device = target_features.device
             last_micro_step = micro_step == accumulation - 1
             with accelerator.no_sync(ttt) if not last_micro_step else nullcontext(), accelerator.autocast():
                 input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
-                output = ttt(input_ids, target_features, target_logits, loss_mask)
+                output = ttt(input_ids, target_features, *target_view, loss_mask)
                 if not torch.isfinite(output.loss):
                     raise FloatingPointError(
                         f"The training loss became {output.loss.item()} at step {state['step'] + 1}: lower "

@@ -25,9 +25,12 @@ there lies inside the draft vocabulary (the draft can never propose it otherwise
 sequence are dropped. (The official code leaves `loss_mask` unshifted before step 0, masking by `t_{i+s}` instead of
 the predicted token `t_{i+s+2}`; we mask by the predicted token.)
 
-Attention cost. The native step's keys are scored with one `[T, T]` matrix product per step; the keys of the
-simulated steps only ever meet the query of their own row, so each is scored by a per-row dot product (`[T]`).
-Memory is therefore linear in `S`: nothing of size `S*T x S*T` is ever built.
+Memory. The keys of the simulated steps only ever meet the query of their own row, so a step's attention is the
+causal prefix plus one diagonal per earlier step: `scaled_dot_product_attention` over chunks of rows under that mask
+(`ttt_attention`), which a fused kernel (flash attention on CPUs) runs without keeping scores for backward. Each step,
+and each step's logits and loss, is checkpointed: backward keeps a step's inputs, keys and values, and recomputes the
+rest one step at a time. The target's distributions come from its final hidden states a chunk of positions at a time,
+restricted to the draft vocabulary (`target_distribution`): no full-vocabulary logits for the whole batch.
 """
 
 from collections.abc import Iterator
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..modeling_eagle3 import Eagle3DraftModel
 
@@ -50,34 +54,53 @@ def ttt_attention(
     keys: list[torch.Tensor],  # s + 1 tensors [B, KV, T, D]: keys[0] from the native step, keys[j] from step j
     values: list[torch.Tensor],  # same layout as keys
     scaling: float,
-    causal_mask: torch.Tensor,  # [T, T] additive (0 or dtype min): the native step's causal mask
+    window: int | None = None,  # a sliding-window layer's window
+    chunk_rows: int = 256,
 ) -> torch.Tensor:
     """Attention of step `s = len(keys) - 1` under the Figure-6 mask, output `[B, T, H * D]`.
 
-    Row `i` attends to `keys[0][:, :, :i+1]` (the real prefix) and to `keys[j][:, :, i]` for `j = 1 .. s` (its own
-    drafted chain). The first is a matrix product; the others are per-row dot products. Query heads are grouped per
-    key / value head (`[B, KV, G, T, D]`) instead of repeating keys, so no step stores copies of earlier keys.
+    Row `i` attends to `keys[0][:, :, :i+1]` (the real prefix; in a sliding-window layer only the keys at positions
+    `j > i + s - window`) and to `keys[j][:, :, i]` for `j = 1 .. s` (its own drafted chain). Rows are taken
+    `chunk_rows` at a time through `scaled_dot_product_attention`: a chunk's query meets the prefix keys up to its last
+    row and the chunk's own `s * chunk_rows` chain keys, under a boolean mask (causal, then one diagonal per step).
+    Nothing of size `T x T` is built, and a fused kernel (flash attention on CPUs) keeps no scores for backward.
     """
     batch_size, num_heads, length, head_dim = query.shape
-    num_kv_heads = keys[0].shape[1]
-    grouped_query = query.view(batch_size, num_kv_heads, num_heads // num_kv_heads, length, head_dim)
-    prefix_scores = torch.matmul(grouped_query, keys[0][:, :, None].transpose(-1, -2))  # [B, KV, G, T, T]
-    chain_scores = [(grouped_query * key[:, :, None]).sum(-1, keepdim=True) for key in keys[1:]]  # [B, KV, G, T, 1]
-    scores = torch.cat([prefix_scores, *chain_scores], dim=-1) * scaling + F.pad(causal_mask, (0, len(chain_scores)))
-    probabilities = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)  # [B, KV, G, T, T + s]
-    output = torch.matmul(probabilities[..., :length], values[0][:, :, None])  # [B, KV, G, T, D]
-    for j, value in enumerate(values[1:]):
-        output = output + probabilities[..., length + j, None] * value[:, :, None]
-    return output.reshape(batch_size, num_heads, length, head_dim).transpose(1, 2).reshape(batch_size, length, -1)
+    steps = len(keys) - 1
+    outputs = []
+    for start in range(0, length, chunk_rows):
+        end = min(start + chunk_rows, length)
+        rows = torch.arange(start, end, device=query.device)[:, None]
+        columns = torch.arange(end, device=query.device)[None]
+        prefix = (columns <= rows) & (columns > rows + steps - window if window is not None else True)
+        chain = torch.eye(end - start, dtype=torch.bool, device=query.device).repeat(1, steps)  # [C, s * C]
+        chunk_keys = torch.cat([keys[0][:, :, :end], *(key[:, :, start:end] for key in keys[1:])], dim=2)
+        chunk_values = torch.cat([values[0][:, :, :end], *(value[:, :, start:end] for value in values[1:])], dim=2)
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, start:end], chunk_keys, chunk_values, attn_mask=torch.cat([prefix, chain], dim=1),
+            scale=scaling, enable_gqa=True,
+        ))
+    return torch.cat(outputs, dim=2).transpose(1, 2).reshape(batch_size, length, num_heads * head_dim)
 
 
-def windowed_causal_mask(causal_mask: torch.Tensor, step: int, window: int) -> torch.Tensor:
-    """The native step's `[T, T]` causal mask for a sliding-window layer at step `step`: row `i` (at position
-    `i + step`) sees the prefix keys at positions `j > i + step - window` only. Its own drafted chain (positions
-    `i + 1 .. i + step`) stays inside the window, as `TrainingTimeTest` checks."""
-    rows = torch.arange(causal_mask.shape[0], device=causal_mask.device)
-    outside = rows[None, :] <= rows[:, None] + step - window
-    return causal_mask.masked_fill(outside, torch.finfo(causal_mask.dtype).min)
+@torch.no_grad()
+def target_distribution(
+    final_hidden: torch.Tensor, lm_head: nn.Module, draft_to_target: torch.Tensor, chunk_tokens: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's view of every position `j` of a batch: (its distribution of `t_{j+1}` renormalised over the draft
+    vocabulary, float32 `[B, T, Vd]`; its top-1 token, a target id `[B, T]`).
+
+    `final_hidden` `[B, T, k_t]` is the target's final hidden state and `lm_head` its output layer (or `final_hidden`
+    the logits themselves and `lm_head` an `nn.Identity`). Logits are made `chunk_tokens` positions at a time and
+    only their draft-vocabulary columns are kept: no full-vocabulary logits for the whole batch, in float32 or not.
+    (`max(-1).indices` rather than `argmax`: the same index, several times faster on CPU.)
+    """
+    probs, top1 = [], []
+    for hidden in final_hidden.flatten(0, 1).split(chunk_tokens):
+        logits = lm_head(hidden)  # [C, V]
+        probs.append(logits[:, draft_to_target].softmax(-1, dtype=torch.float32))
+        top1.append(logits.max(-1).indices)
+    return torch.cat(probs).unflatten(0, final_hidden.shape[:2]), torch.cat(top1).unflatten(0, final_hidden.shape[:2])
 
 
 @dataclass
@@ -127,53 +150,69 @@ class TrainingTimeTest(nn.Module):
 
         `input_ids` `[B, T]` are the ground-truth tokens, `target_features` `[B, T, 3 k_t]` the target's hidden
         states at `target_layer_ids` concatenated. Row `i` of step `s` is the draft's prediction of `t_{i+s+2}`.
+        Each step is checkpointed: backward keeps its inputs, keys and values, and recomputes the rest.
         """
         draft = self.draft
         draft.check_target_attached()  # a head or embedding still the draft's random one would train silently
-        layers = draft.decoder_layers
         batch_size, length = input_ids.shape
         tokens = shift_left(input_ids)  # t_{i+1}
         features = draft.fuse(target_features)  # g, [B, T, k]
         positions = torch.arange(length, device=input_ids.device)[None].expand(batch_size, -1)
-        causal_mask = torch.full((length, length), torch.finfo(features.dtype).min, device=features.device).triu(1)
-        keys, values = [[] for _ in layers], [[] for _ in layers]  # per decoder layer, one entry per step
+        # Per decoder layer, the keys / values of the steps so far: tuples, made anew at each step, so that a step's
+        # recomputation for backward sees the keys it saw.
+        keys = values = [() for _ in draft.decoder_layers]
         for step in range(self.steps):
-            embeds = draft.embed_tokens(tokens).to(features.dtype)
-            position_embeddings = draft.rotary_emb(features, positions + step)
-            for layer, layer_keys, layer_values in zip(layers, keys, values):
-                attention = layer.self_attn
-                attn_input, residual = layer.attention_input(embeds, features)  # [B, T, 2k | k], [B, T, k]
-                query, key, value = attention.project(attn_input, position_embeddings)
-                layer_keys.append(key)
-                layer_values.append(value)
-                mask = causal_mask
-                if attention.sliding_window is not None:
-                    mask = windowed_causal_mask(causal_mask, step, attention.sliding_window)
-                attn_output = ttt_attention(query, layer_keys, layer_values, attention.scaling, mask.to(query.dtype))
-                features = layer.finish(residual, attention.o_proj(attn_output))  # [B, T, k]
-            features = draft.output_feature(features)  # a^s
+            features, step_keys, step_values = checkpoint(
+                self.draft_step, tokens, features, positions + step, keys, values, use_reentrant=False
+            )
+            keys = [(*layer_keys, key) for layer_keys, key in zip(keys, step_keys)]
+            values = [(*layer_values, value) for layer_values, value in zip(values, step_values)]
             yield features
             # Next step: same rows, one position further on; the feature a^s stays in its row and feeds back.
             tokens = shift_left(tokens)
+
+    def draft_step(
+        self, tokens: torch.LongTensor, features: torch.Tensor, positions: torch.LongTensor,
+        keys: list[tuple[torch.Tensor, ...]], values: list[tuple[torch.Tensor, ...]],
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """One draft step over every row: (`a^s` `[B, T, k]`, each decoder layer's new keys, its new values), from
+        the step's tokens, its input features and the keys / values of the earlier steps (left unchanged)."""
+        draft = self.draft
+        embeds = draft.embed_tokens(tokens).to(features.dtype)
+        position_embeddings = draft.rotary_emb(features, positions)
+        step_keys, step_values = [], []
+        for layer, layer_keys, layer_values in zip(draft.decoder_layers, keys, values):
+            attention = layer.self_attn
+            attn_input, residual = layer.attention_input(embeds, features)  # [B, T, 2k | k], [B, T, k]
+            query, key, value = attention.project(attn_input, position_embeddings)
+            step_keys.append(key)
+            step_values.append(value)
+            attn_output = ttt_attention(query, [*layer_keys, key], [*layer_values, value], attention.scaling,
+                                        attention.sliding_window)
+            features = layer.finish(residual, attention.o_proj(attn_output))  # [B, T, k]
+        return draft.output_feature(features), step_keys, step_values
+
+    def head_loss(self, features: torch.Tensor, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(soft cross-entropy `[N]` of the draft's distribution at `features` `[N, k]` against `target_probs`
+        `[N, Vd]`, the draft's top-1 draft id `[N]`)."""
+        logits = self.draft.compute_logits(features)  # [N, Vd]
+        cross_entropy = -(target_probs * logits.log_softmax(-1, dtype=torch.float32)).sum(-1)
+        return cross_entropy, logits.detach().max(-1).indices
 
     def forward(
         self,
         input_ids: torch.LongTensor,  # [B, T]
         target_features: torch.Tensor,  # [B, T, 3 k_t]: target hidden states at target_layer_ids, concatenated
-        target_logits: torch.Tensor,  # [B, T, V]: the target's logits
+        target_probs: torch.Tensor,  # [B, T, Vd] float32: the target's distributions over the draft vocabulary
+        target_top1: torch.LongTensor,  # [B, T]: the target's top-1 tokens (target ids); see `target_distribution`
         loss_mask: torch.Tensor,  # [B, T]: 1 where the token is an assistant token (0 on padding)
     ) -> TTTOutput:
         draft = self.draft
         length = input_ids.shape[1]
-        # The target's view of every position j: its distribution of t_{j+1} renormalised over the draft vocabulary,
-        # and whether its top-1 is in that vocabulary. Row i at step s is scored against position j = i + s + 1.
-        # (`max(-1).indices` rather than `argmax`: the same index, several times faster on CPU.)
-        with torch.no_grad():
-            draft_to_target = draft.draft_to_target  # sorted target ids
-            target_probs = target_logits[..., draft_to_target].float().softmax(-1)  # [B, T, Vd]
-            target_top1 = target_logits.max(-1).indices  # [B, T]
-            target_top1_in_draft = draft.t2d[target_top1]  # [B, T]
-            target_top1_draft_id = torch.searchsorted(draft_to_target, target_top1).clamp(max=len(draft_to_target) - 1)
+        # Row i at step s is scored against the target's view of position j = i + s + 1.
+        draft_to_target = draft.draft_to_target  # sorted target ids
+        target_top1_in_draft = draft.t2d[target_top1]  # [B, T]
+        target_top1_draft_id = torch.searchsorted(draft_to_target, target_top1).clamp(max=len(draft_to_target) - 1)
         assistant = shift_left(shift_left(loss_mask.bool(), fill=False), fill=False)  # t_{i+2} is an assistant token
 
         loss = target_probs.new_zeros(())
@@ -182,17 +221,17 @@ class TrainingTimeTest(nn.Module):
         for step, features in enumerate(self.unroll(input_ids, target_features)):
             # Logits only where they are scored: rows whose predicted token is an assistant token.
             rows = assistant[:, : length - step - 1]  # rows past T - step - 2 have no target
-            logits = draft.compute_logits(features[:, : length - step - 1][rows])  # [N, Vd]
-            log_probs = logits.float().log_softmax(-1)
-            row_target_probs = target_probs[:, step + 1 :][rows]  # [N, Vd]
             row_in_draft = target_top1_in_draft[:, step + 1 :][rows]  # [N]
-            cross_entropy = -(row_target_probs * log_probs).sum(-1)  # [N]
+            cross_entropy, draft_top1 = checkpoint(  # [N], [N]: the logits are recomputed for backward
+                self.head_loss, features[:, : length - step - 1][rows], target_probs[:, step + 1 :][rows],
+                use_reentrant=False,
+            )
             kept_count = row_in_draft.sum()
             step_loss = (cross_entropy * row_in_draft).sum() / kept_count.clamp(min=1)
             loss = loss + self.decay**step * step_loss
             with torch.no_grad():
                 row_target_top1 = target_top1_draft_id[:, step + 1 :][rows]  # [N], valid where row_in_draft
-                row_correct = (logits.max(-1).indices == row_target_top1) & row_in_draft  # [N]
+                row_correct = (draft_top1 == row_target_top1) & row_in_draft  # [N]
                 correct = torch.zeros_like(assistant)
                 correct[:, : length - step - 1][rows] = row_correct
                 step_losses.append(step_loss.detach())
@@ -212,4 +251,4 @@ class TrainingTimeTest(nn.Module):
         )
 
 
-__all__ = ["TTTOutput", "TrainingTimeTest", "shift_left", "ttt_attention", "windowed_causal_mask"]
+__all__ = ["TTTOutput", "TrainingTimeTest", "shift_left", "target_distribution", "ttt_attention"]
