@@ -178,6 +178,14 @@ def test_held_out_evaluation_chains_eval_ttt_steps_whatever_the_training_steps(d
     assert len([entry["eval"] for entry in history if "eval" in entry][-1]["alpha"]) == 5
 
 
+def test_the_lk_loss_trains_the_held_out_acceptance_rate_up(dataset, target, tmp_path):
+    config = config_for(dataset, tmp_path, loss="lk", max_steps=30, eval_every=10, save_every=30, learning_rate=1e-2)
+    train(config, target=target, progress=False)
+    evals = [entry["eval"] for entry in json.loads((tmp_path / "history.json").read_text()) if "eval" in entry]
+    assert evals[-1]["acceptance"][0] > evals[0]["acceptance"][0]
+    assert json.loads((tmp_path / "train_config.json").read_text())["loss"] == "lk"
+
+
 def test_init_draft_continues_from_a_trained_draft_and_its_vocabulary(dataset, target, tmp_path):
     train(config_for(dataset, tmp_path / "first", ttt_steps=1, max_steps=4), target=target, progress=False)
     first = Eagle3DraftModel.from_pretrained(tmp_path / "first" / "draft")
@@ -722,3 +730,15 @@ def test_a_length_cap_that_leaves_the_answers_out_of_the_loss_stops_before_train
                                          "Raise --max-length"):
         cli.main(train_cli_arguments(dataset, tmp_path / "target", tmp_path / "run", "--max-length", "6"))
     assert latest_checkpoint(tmp_path / "run") is None and not (tmp_path / "run" / "draft").exists()
+
+
+def test_precision_defaults_to_bf16_only_where_the_device_has_bf16_units(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    expected = "bf16" if trainer_module.has_bf16_units(use_cpu=not torch.cuda.is_available()) else "no"
+    assert trainer_module.mixed_precision(None) == expected
+    assert (trainer_module.mixed_precision(True), trainer_module.mixed_precision(False)) == ("bf16", "no")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what `accelerate launch` sets when nothing names one
+    assert trainer_module.mixed_precision(None) == expected
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # `accelerate launch --mixed_precision bf16`
+    assert trainer_module.mixed_precision(None) is None  # accelerate's own
+    assert trainer_module.mixed_precision(False) == "no"

@@ -1,10 +1,14 @@
 """Training-time test: the Figure-6 attention, its memory, and its alignment with inference-time drafting."""
 
+import math
+
 import pytest
 import torch
 from helpers import HIDDEN, VOCAB, tiny_draft
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from hf_eagle3.commands import bench_train_step
+from hf_eagle3.training.losses import row_terms
 from hf_eagle3.training.ttt import TrainingTimeTest, shift_left, target_distribution, ttt_attention
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM = 2, 12, 4, 2, 8
@@ -148,9 +152,11 @@ def test_loss_weights_steps_by_decay_and_trains(draft_and_batch):
     assert draft.fc.weight.grad is not None and draft.embed_tokens.weight.grad is not None
 
 
-def reference_loss(draft, input_ids, target_features, target_logits, loss_mask, steps, decay):
+def reference_loss(draft, input_ids, target_features, target_logits, loss_mask, steps, decay, loss_kind="kl"):
     """The TTT loss rebuilt from inference-time chain drafting: for every row, the draft's prefix forward and then
-    one cached step per drafted token, each scored against the target's distribution of the token it predicts."""
+    one cached step per drafted token, each scored against the target's distribution of the token it predicts (soft
+    cross-entropy; the LK losses from it and the acceptance probability sum(min(p, q)), as arXiv:2602.23881 writes
+    them)."""
     batch_size, length = input_ids.shape
     target_probs = target_logits[..., draft.draft_to_target].softmax(-1)
     kept = draft.t2d[target_logits.argmax(-1)]  # [B, T]: the target's top-1 at position j is draftable
@@ -167,31 +173,75 @@ def reference_loss(draft, input_ids, target_features, target_logits, loss_mask, 
                     token = input_ids[batch : batch + 1, row + drafted + 1 : row + drafted + 2]
                     output = draft(token, output.hidden_states[:, -1:], cache=output.cache)
                 log_probs = output.logits[0, -1].log_softmax(-1)
-                terms.append(-(target_probs[batch, position] * log_probs).sum())
+                p = target_probs[batch, position]
+                terms.append((-(p * log_probs).sum(), torch.minimum(p, log_probs.exp()).sum()))
         if terms:
-            loss = loss + decay**step * torch.stack(terms).mean()
+            cross_entropy, alpha = (torch.stack(column) for column in zip(*terms))
+            if loss_kind == "kl":
+                step_loss = cross_entropy.mean()
+            elif loss_kind == "lk":
+                weight = math.exp(-3.0 * alpha.mean().item())
+                step_loss = weight * cross_entropy.mean() + (1 - weight) * (1 - alpha.mean())
+            else:
+                step_loss = -alpha.log().mean()
+            loss = loss + decay**step * step_loss
     return loss
 
 
-def test_loss_and_gradients_equal_those_of_inference_time_chain_drafting(draft_and_batch):
+def check_loss_and_gradients_against_chain_drafting(draft, input_ids, target_features, loss_kind):
     """The checkpointed, chunked TTT gives the loss and the gradients of the same drafts made one cached step at a
     time, as at inference."""
-    draft, input_ids, target_features = draft_and_batch
     target_logits = torch.randn(BATCH, LENGTH, VOCAB)
     target_logits[..., draft.draft_to_target[:8]] += 3.0  # most top-1 tokens draftable
     loss_mask = (torch.rand(BATCH, LENGTH) < 0.8).long()
     parameters = [parameter for parameter in draft.parameters() if parameter.requires_grad]
-    ttt = TrainingTimeTest(draft, steps=3, decay=0.8)
+    ttt = TrainingTimeTest(draft, steps=3, decay=0.8, loss=loss_kind)
     target_view = target_distribution(target_logits, torch.nn.Identity(), draft.draft_to_target, chunk_tokens=5)
     loss = ttt(input_ids, target_features, *target_view, loss_mask).loss
     gradients = torch.autograd.grad(loss, parameters, allow_unused=True)
-    expected = reference_loss(draft, input_ids, target_features, target_logits, loss_mask, steps=3, decay=0.8)
+    expected = reference_loss(draft, input_ids, target_features, target_logits, loss_mask, steps=3, decay=0.8,
+                              loss_kind=loss_kind)
     expected_gradients = torch.autograd.grad(expected, parameters, allow_unused=True)
     assert torch.allclose(loss, expected, atol=1e-5)
     for got, want in zip(gradients, expected_gradients):
         assert (got is None) == (want is None)
         if got is not None:
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+
+
+def test_loss_and_gradients_equal_those_of_inference_time_chain_drafting(draft_and_batch):
+    check_loss_and_gradients_against_chain_drafting(*draft_and_batch, "kl")
+
+
+@pytest.mark.parametrize("loss_kind", ["lk", "lk-alpha"])
+def test_lk_losses_and_gradients_equal_the_paper_s_over_inference_time_chain_drafting(loss_kind):
+    torch.manual_seed(0)
+    draft = tiny_draft(draft_vocab_size=48).eval()
+    draft.attach_target_embedding(torch.nn.Embedding(VOCAB, HIDDEN))
+    input_ids, target_features = torch.randint(0, VOCAB, (BATCH, LENGTH)), torch.randn(BATCH, LENGTH, 3 * HIDDEN)
+    check_loss_and_gradients_against_chain_drafting(draft, input_ids, target_features, loss_kind)
+
+
+def test_acceptance_probability_is_one_minus_total_variation_and_is_reported_per_step():
+    torch.manual_seed(0)
+    logits, target_logits = torch.randn(6, 48), torch.randn(6, 48)
+    target_probs = target_logits.softmax(-1)
+    _, acceptance = row_terms(logits, target_probs)
+    total_variation = (target_probs - logits.softmax(-1)).abs().sum(-1) / 2
+    assert torch.allclose(acceptance, 1 - total_variation, atol=1e-6)
+    assert torch.allclose(row_terms(target_logits, target_probs)[1], torch.ones(6), atol=1e-6)  # the same: always
+    draft = tiny_draft(draft_vocab_size=48)
+    draft.attach_target_embedding(torch.nn.Embedding(VOCAB, HIDDEN))
+    output = TrainingTimeTest(draft, steps=2)(torch.randint(0, VOCAB, (BATCH, LENGTH)),
+                                              torch.randn(BATCH, LENGTH, 3 * HIDDEN),
+                                              *target_view(draft, torch.randn(BATCH, LENGTH, VOCAB)),
+                                              torch.ones(BATCH, LENGTH))
+    assert ((output.step_acceptance > 0) & (output.step_acceptance <= output.step_counts)).all()
+
+
+def test_an_unknown_loss_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="Unknown loss 'tv': use one of kl, lk, lk-alpha"):
+        TrainingTimeTest(tiny_draft(), loss="tv")
 
 
 def test_shift_left():
@@ -202,3 +252,14 @@ def test_shift_left():
 def test_at_least_one_step():
     with pytest.raises(ValueError, match="steps must be >= 1"):
         TrainingTimeTest(tiny_draft(), steps=0)
+
+
+def test_bench_train_step_reports_a_step_s_speed_and_peak_memory_or_the_error_it_stopped_with():
+    shape = dict(vocab_size=VOCAB, draft_vocab_size=48, hidden_size=HIDDEN, intermediate_size=64,
+                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, target_num_hidden_layers=4)
+    result = bench_train_step.train_step(64, 3, "float32", "cpu", None, "lk", shape)
+    assert result["tokens_per_second"] > 0 and math.isfinite(result["loss"])
+    assert result["peak_host_gib"] >= result["setup_peak_host_gib"] > 0
+    failed = {**result, "error": "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: not enough memory"}
+    table = bench_train_step.markdown_table([result, failed])
+    assert "| 64 |" in table and "failed: [enforce fail" in table

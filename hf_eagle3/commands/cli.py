@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "hf_eagle3.commands.bench",
     "hf_eagle3.commands.bench_batches",
     "hf_eagle3.commands.bench_attention",
+    "hf_eagle3.commands.bench_train_step",
     "hf_eagle3.commands.tune_tree",
     "hf_eagle3.conversion.cli",
     "hf_eagle3.publishing.hub",

@@ -96,23 +96,31 @@ logger = logging.get_logger(__name__)
 _KEPT_IN_MEMORY: dict[Path, "MachineCosts"] = {}
 
 
-def machine_description(device: torch.device | str = "cpu") -> str:
-    """The processor decoding runs on, with the instruction-set flags that decide its speed."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model, flags = platform.processor() or platform.machine(), set()
+def cpu_info() -> tuple[str, set[str] | None]:
+    """(this machine's processor model, its instruction-set flags, or None where /proc/cpuinfo does not list them)."""
+    model, flags = platform.processor() or platform.machine(), None
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
+        flags = set()
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 model = value.strip()
             elif key.strip() == "flags":
                 flags = set(value.split())
-        present = [flag for flag in CPU_FLAGS if flag in flags]
-        return f"{model} ({', '.join(present) if present else 'none of ' + ', '.join(CPU_FLAGS)})"
-    return model
+    return model, flags
+
+
+def machine_description(device: torch.device | str = "cpu") -> str:
+    """The processor decoding runs on, with the instruction-set flags that decide its speed."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model, flags = cpu_info()
+    if flags is None:
+        return model
+    present = [flag for flag in CPU_FLAGS if flag in flags]
+    return f"{model} ({', '.join(present) if present else 'none of ' + ', '.join(CPU_FLAGS)})"
 
 
 def _seconds(value, name: str, low: float = SECONDS_RANGE[0]) -> float:

@@ -32,7 +32,8 @@ def load_target_model(
 
         return load_smollm2(dtype=dtype, device=device)[0]
     check_exists(name_or_path, "target", TARGET_CHOICES)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device).eval()
+    # straight onto the device: a target is never held in host memory first (device_map places each weight)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, device_map=str(device)).eval()
 
 
 def load_target(

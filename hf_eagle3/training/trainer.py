@@ -18,7 +18,8 @@ every round of batches, so N processes with `--batch-size B` train exactly as on
 
 (`accelerate launch --cpu` starts several processes only through MPI, `--mpirun_hostfile`; `--multi_gpu` without GPUs
 and without `ACCELERATE_USE_CPU=1` is refused, as its processes would each train alone.) Mixed precision is `--bf16`
-/ `--no-bf16` when given, else accelerate's (`accelerate launch --mixed_precision bf16`, `accelerate config`).
+/ `--no-bf16` when given, else accelerate's (`accelerate launch --mixed_precision bf16`, `accelerate config`), else
+bf16 where the device has bf16 units (a GPU from Ampere on, a CPU with AMX) and float32 elsewhere.
 
 Every `save_every` steps a checkpoint (draft weights, optimizer, RNG states, data position, history) is written
 atomically to `output_dir/checkpoint-XXXXXX`; `--resume` continues from the latest one exactly: the same next batch,
@@ -54,7 +55,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from ..configuration_eagle3 import Eagle3Config
-from ..decoding.calibration import choose_tree
+from ..decoding.calibration import choose_tree, cpu_info
 from ..decoding.compatibility import adopt_target_layers, check_compatibility, model_name, record_target_special_tokens
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import load_target_model, save_draft
@@ -62,6 +63,7 @@ from ..resources.smollm2 import SMOLLM2_NAME
 from ..utils.extras import require
 from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
 from .data import MANIFEST, Example, dataset_digests, load_dataset
+from .losses import LOSSES
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest, target_distribution
 from .vocab import (
@@ -89,7 +91,7 @@ FIXED_SETTINGS = {
     "defines the draft the checkpoint holds, or the target it learns from": (
         "target", "draft_vocab_size", "draft_layers", "intermediate_size", "fc_norm", "norm_before_residual",
         "init_draft", "grow_draft_vocabulary", "init_head_from_target", "init_layer_from_target"),
-    "defines the training loss": ("ttt_steps", "step_decay"),
+    "defines the training loss": ("ttt_steps", "step_decay", "loss"),
     "defines the optimizer whose state the checkpoint holds": (
         "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm"),
     "changes the arithmetic of every step (bf16 autocast; features stored in bf16)": ("bf16", "precompute_features"),
@@ -134,6 +136,9 @@ class TrainConfig:
     eval_ttt_steps: int = _setting(7, "chained draft steps in held-out evaluation (n-α for n < this), whatever "
                                       "--ttt-steps is")
     step_decay: float = _setting(0.8, "weight of TTT step s in the loss: step_decay ** s")
+    loss: str = _setting("kl", f"loss of each step ({', '.join(LOSSES)}): kl, the official soft cross-entropy; lk, "
+                               "KL blended into the acceptance rate as the draft improves (LK^λ, arXiv:2602.23881); "
+                               "lk-alpha, the acceptance rate's likelihood alone")
     learning_rate: float = _setting(5e-5, "peak learning rate (AdamW, betas 0.9 / 0.95)")
     warmup_steps: int = _setting(100, "linear warmup steps; then cosine decay to 0 at the last step. A resumed run "
                                       "with another --max-steps / --epochs continues on the schedule of a run of the "
@@ -146,8 +151,9 @@ class TrainConfig:
     max_steps: int | None = _setting(None, "optimizer steps in all; default: from --epochs")
     max_length: int = _setting(2048, "conversations are cut to this many tokens")
     bf16: bool | None = _setting(None, "bf16 autocast, the target in bf16 (--no-bf16: float32); default: accelerate's "
-                                       "configuration (`accelerate launch --mixed_precision`, `accelerate config`), "
-                                       "float32 without one")
+                                       "launch setting (`accelerate launch --mixed_precision`, `accelerate config`), "
+                                       "else bf16 on a GPU with bf16 units (Ampere and later) or a CPU with AMX, "
+                                       "float32 elsewhere")
     seed: int = _setting(0, "seed of the draft's initialisation, the held-out split and the batch order")
     save_every: int = _setting(200, "checkpoint every N optimizer steps (and at the last)")
     keep_checkpoints: int = _setting(2, "checkpoints kept (the newest)")
@@ -214,6 +220,8 @@ class TrainConfig:
         if self.init_draft is not None and self.draft_layers != 1:
             problems.append("--draft-layers shapes a fresh draft, and --init-draft keeps the layers of the draft it "
                             "starts from: pass one of them")
+        if self.loss not in LOSSES:
+            problems.append(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.save_dtype not in SAVE_DTYPES:
             problems.append(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if problems:
@@ -463,14 +471,14 @@ def acceptance_summary(chain_accepted: torch.Tensor, chain_attempted: torch.Tens
 
 @torch.no_grad()
 def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches, split, accelerator) -> dict:
-    """Held-out loss, per-step top-1 accuracy, n-α and chain τ over `batches` (this process's share), summed over
-    all processes; `{}` when no process had a batch.
+    """Held-out loss, per-step top-1 accuracy and expected acceptance rate, n-α and chain τ over `batches` (this
+    process's share), summed over all processes; `{}` when no process had a batch.
 
     Every process joins the one reduction, also one with no batch (a held-out set of fewer batches than processes):
     a process that skipped it would leave the others waiting in it for ever."""
     was_training = ttt.training
     ttt.eval()
-    totals = torch.zeros((5, ttt.steps), dtype=torch.float64, device=accelerator.device)
+    totals = torch.zeros((6, ttt.steps), dtype=torch.float64, device=accelerator.device)
     for indices in batches:
         batch = collate(examples, indices, features.target.config.pad_token_id or 0)
         target_features, final_hidden = features(batch, split)
@@ -480,15 +488,16 @@ def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches,
             output = ttt(batch["input_ids"].to(device), target_features, *target_view, batch["loss_mask"].to(device))
         totals += torch.stack(
             [output.step_losses * output.step_counts, output.step_correct, output.step_counts,
-             output.chain_accepted, output.chain_attempted]
+             output.step_acceptance, output.chain_accepted, output.chain_attempted]
         ).double().to(totals.device)
     ttt.train(was_training)
-    loss_sum, correct, counts, accepted, attempted = accelerator.reduce(totals, "sum")
+    loss_sum, correct, counts, acceptance, accepted, attempted = accelerator.reduce(totals, "sum")
     if not counts.any():
         return {}
     return {
         "loss": (loss_sum / counts.clamp(min=1)).tolist(),
         "accuracy": (correct / counts.clamp(min=1)).tolist(),
+        "acceptance": (acceptance / counts.clamp(min=1)).tolist(),
         **acceptance_summary(accepted, attempted),
     }
 
@@ -693,13 +702,33 @@ LAUNCHED_PROCESSES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COM
 CPU_LAUNCH = "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N -m hf_eagle3 train ..."
 
 
+def has_bf16_units(use_cpu: bool) -> bool:
+    """Whether the device a run trains on does bf16 arithmetic in hardware: a CUDA GPU that supports bf16 (Ampere and
+    later), or a CPU with AMX (`amx_bf16`). Elsewhere bf16 autocast is emulated or converted, slower than float32."""
+    if torch.cuda.is_available() and not use_cpu:
+        return torch.cuda.is_bf16_supported()
+    flags = cpu_info()[1]
+    return flags is not None and "amx_bf16" in flags
+
+
+def mixed_precision(bf16: bool | None) -> str | None:
+    """The run's mixed precision for `Accelerator` (`None`: accelerate's launch setting). `--bf16` / `--no-bf16` when
+    given, else accelerate's launch setting (`accelerate launch --mixed_precision bf16`, or its `accelerate config`),
+    else bf16 where the device has bf16 units (`has_bf16_units`) and float32 elsewhere."""
+    if bf16 is not None:
+        return "bf16" if bf16 else "no"
+    # `accelerate launch` passes "no" when neither its command nor its config names a precision: not a choice
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
+        return None
+    return "bf16" if has_bf16_units(os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")) else "no"
+
+
 def make_accelerator(bf16: bool | None):
-    """The run's `Accelerator`. Mixed precision is `--bf16` / `--no-bf16` when given, else accelerate's own
-    configuration (`accelerate launch --mixed_precision`, `accelerate config`). Refuses a launch whose processes
-    would each run alone (and race on the output directory), and says when a CPU launch started one process only."""
+    """The run's `Accelerator`, in `mixed_precision(bf16)`. Refuses a launch whose processes would each run alone
+    (and race on the output directory), and says when a CPU launch started one process only."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(mixed_precision=None if bf16 is None else ("bf16" if bf16 else "no"))
+    accelerator = Accelerator(mixed_precision=mixed_precision(bf16))
     # how many processes the launcher started (torchrun: WORLD_SIZE; MPI: its own variables), as accelerate reads them
     launched = max(int(os.environ.get(name, 1)) for name in LAUNCHED_PROCESSES)
     if launched > accelerator.num_processes:
@@ -847,8 +876,9 @@ def train(
     if initial_draft is not None:
         load_initial_weights(draft, initial_draft)
     draft.to(accelerator.device)
-    ttt = TrainingTimeTest(draft, steps=config.ttt_steps, decay=config.step_decay)
-    held_out_ttt = TrainingTimeTest(draft, steps=config.eval_ttt_steps, decay=config.step_decay)  # same draft
+    ttt = TrainingTimeTest(draft, steps=config.ttt_steps, decay=config.step_decay, loss=config.loss)
+    held_out_ttt = TrainingTimeTest(draft, steps=config.eval_ttt_steps, decay=config.step_decay,  # same draft
+                                    loss=config.loss)
 
     world_size, rank = accelerator.num_processes, accelerator.process_index
     lengths = [len(example.input_ids) for example in train_examples]

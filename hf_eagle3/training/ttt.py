@@ -19,7 +19,8 @@ holds keys for positions `0 .. i` computed from target features, and every draft
 its own feature `a`: exactly the rows above. So with `S = 1` this is plain (no-TTT) training.
 
 Loss. At each step a soft cross-entropy between the target's distribution renormalised over the draft vocabulary and
-the draft's, averaged over the kept positions and weighted `decay ** s` (official: 7 steps, 0.8). A position is kept
+the draft's (or an LK loss on the same distributions, `losses.py`), averaged over the kept positions and weighted
+`decay ** s` (official: 7 steps, 0.8). A position is kept
 when its predicted token `t_{i+s+2}` is an assistant token of the conversation (`loss_mask`) and the target's top-1
 there lies inside the draft vocabulary (the draft can never propose it otherwise). Positions past the end of the
 sequence are dropped. (The official code leaves `loss_mask` unshifted before step 0, masking by `t_{i+s}` instead of
@@ -42,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..modeling_eagle3 import Eagle3DraftModel
+from .losses import LOSSES, row_terms, step_loss
 
 
 def shift_left(tensor: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
@@ -108,9 +110,11 @@ class TTTOutput:
     """Result of one training-time-test forward; every tensor but `loss` is detached and has shape `[S]`.
 
     Args:
-        loss: sum over steps of `decay ** s` times the step's soft cross-entropy (a scalar with grad).
-        step_losses: soft cross-entropy of each step, averaged over its kept positions.
+        loss: sum over steps of `decay ** s` times the step's loss (a scalar with grad).
+        step_losses: the loss of each step (soft cross-entropy, or the LK loss), averaged over its kept positions.
         step_correct / step_counts: kept positions where the draft's top-1 is the target's top-1 / all kept positions.
+        step_acceptance: the sum over kept positions of the probability `α` that speculative sampling accepts the
+            draft's token (`losses.row_terms`); over `step_counts`, the step's expected acceptance rate.
         chain_accepted / chain_attempted: greedy chain acceptance. `chain_attempted[s]` counts the rows whose step-s
             token is an assistant token and whose drafts at steps `0 .. s-1` all matched the target's top-1;
             `chain_accepted[s]` those among them whose step-s draft matches too. Their ratio is s-α.
@@ -120,6 +124,7 @@ class TTTOutput:
     step_losses: torch.Tensor
     step_correct: torch.Tensor
     step_counts: torch.Tensor
+    step_acceptance: torch.Tensor
     chain_accepted: torch.Tensor
     chain_attempted: torch.Tensor
 
@@ -127,15 +132,17 @@ class TTTOutput:
 class TrainingTimeTest(nn.Module):
     """The draft plus its TTT loss, as one module (so `accelerate` / DDP can wrap it).
 
-    `forward(input_ids, target_features, target_logits, loss_mask)` unrolls `steps` draft steps over a batch and
-    returns a `TTTOutput`. The target's work (its hidden states and logits) is done by the caller, so features can
-    come from an online target forward or from disk.
+    `forward(input_ids, target_features, target_probs, target_top1, loss_mask)` unrolls `steps` draft steps over a
+    batch and returns a `TTTOutput`. The target's work (its hidden states and distributions) is done by the caller, so
+    features can come from an online target forward or from disk. `loss` is one of `losses.LOSSES`.
     """
 
-    def __init__(self, draft: Eagle3DraftModel, steps: int = 7, decay: float = 0.8):
+    def __init__(self, draft: Eagle3DraftModel, steps: int = 7, decay: float = 0.8, loss: str = "kl"):
         super().__init__()
         if steps < 1:
             raise ValueError(f"The number of training-time-test steps must be >= 1, got {steps}.")
+        if loss not in LOSSES:
+            raise ValueError(f"Unknown loss {loss!r}: use one of {', '.join(LOSSES)}.")
         window = draft.config.sliding_window
         if window is not None and "sliding_attention" in (draft.config.layer_types or []) and steps >= window:
             raise ValueError(
@@ -144,6 +151,7 @@ class TrainingTimeTest(nn.Module):
         self.draft = draft
         self.steps = steps
         self.decay = decay
+        self.loss = loss
 
     def unroll(self, input_ids: torch.LongTensor, target_features: torch.Tensor) -> Iterator[torch.Tensor]:
         """The draft's output features `a^s` `[B, T, k]` of steps `s = 0 .. steps-1`, one step per iteration.
@@ -192,12 +200,11 @@ class TrainingTimeTest(nn.Module):
             features = layer.finish(residual, attention.o_proj(attn_output))  # [B, T, k]
         return draft.output_feature(features), step_keys, step_values
 
-    def head_loss(self, features: torch.Tensor, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(soft cross-entropy `[N]` of the draft's distribution at `features` `[N, k]` against `target_probs`
-        `[N, Vd]`, the draft's top-1 draft id `[N]`)."""
+    def head_terms(self, features: torch.Tensor, target_probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(soft cross-entropy `[N]` and acceptance probability `[N]` of the draft's distribution at `features`
+        `[N, k]` against `target_probs` `[N, Vd]`, the draft's top-1 draft id `[N]`)."""
         logits = self.draft.compute_logits(features)  # [N, Vd]
-        cross_entropy = -(target_probs * logits.log_softmax(-1, dtype=torch.float32)).sum(-1)
-        return cross_entropy, logits.detach().max(-1).indices
+        return *row_terms(logits, target_probs), logits.detach().max(-1).indices
 
     def forward(
         self,
@@ -216,27 +223,28 @@ class TrainingTimeTest(nn.Module):
         assistant = shift_left(shift_left(loss_mask.bool(), fill=False), fill=False)  # t_{i+2} is an assistant token
 
         loss = target_probs.new_zeros(())
-        step_losses, step_correct, step_counts, chain_accepted, chain_attempted = [], [], [], [], []
+        step_losses, step_correct, step_counts, step_acceptance = [], [], [], []
+        chain_accepted, chain_attempted = [], []
         chain_alive = torch.ones_like(assistant)  # every earlier draft of the row matched the target's top-1
         for step, features in enumerate(self.unroll(input_ids, target_features)):
             # Logits only where they are scored: rows whose predicted token is an assistant token.
             rows = assistant[:, : length - step - 1]  # rows past T - step - 2 have no target
             row_in_draft = target_top1_in_draft[:, step + 1 :][rows]  # [N]
-            cross_entropy, draft_top1 = checkpoint(  # [N], [N]: the logits are recomputed for backward
-                self.head_loss, features[:, : length - step - 1][rows], target_probs[:, step + 1 :][rows],
+            cross_entropy, acceptance, draft_top1 = checkpoint(  # [N] each: the logits are recomputed for backward
+                self.head_terms, features[:, : length - step - 1][rows], target_probs[:, step + 1 :][rows],
                 use_reentrant=False,
             )
-            kept_count = row_in_draft.sum()
-            step_loss = (cross_entropy * row_in_draft).sum() / kept_count.clamp(min=1)
-            loss = loss + self.decay**step * step_loss
+            this_step = step_loss(self.loss, cross_entropy, acceptance, row_in_draft)
+            loss = loss + self.decay**step * this_step
             with torch.no_grad():
                 row_target_top1 = target_top1_draft_id[:, step + 1 :][rows]  # [N], valid where row_in_draft
                 row_correct = (draft_top1 == row_target_top1) & row_in_draft  # [N]
                 correct = torch.zeros_like(assistant)
                 correct[:, : length - step - 1][rows] = row_correct
-                step_losses.append(step_loss.detach())
+                step_losses.append(this_step.detach())
                 step_correct.append(row_correct.sum())
-                step_counts.append(kept_count)
+                step_counts.append(row_in_draft.sum())
+                step_acceptance.append((acceptance * row_in_draft).sum())
                 chain_attempted.append((chain_alive & assistant).sum())
                 chain_alive = chain_alive & correct
                 chain_accepted.append(chain_alive.sum())
@@ -246,6 +254,7 @@ class TrainingTimeTest(nn.Module):
             step_losses=torch.stack(step_losses),
             step_correct=torch.stack(step_correct),
             step_counts=torch.stack(step_counts),
+            step_acceptance=torch.stack(step_acceptance),
             chain_accepted=torch.stack(chain_accepted),
             chain_attempted=torch.stack(chain_attempted),
         )
