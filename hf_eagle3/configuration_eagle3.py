@@ -430,7 +430,14 @@ def last_layer_tap_refusal(target_layer_ids: list[int] | None, num_layers: int |
 
 def default_target_layer_ids(num_layers: int) -> list[int]:
     """The `hidden_states` indices an `num_layers`-layer target is tapped at by default: the official (2, N//2, N-3),
-    or (N//4, N//2, N-1) for targets too shallow for three distinct official taps."""
+    or (N//4, N//2, N-1) for targets too shallow for three distinct official taps. A target of fewer than 3 layers
+    has no three distinct taps below its last layer's output, and is refused."""
+    if num_layers < 3:
+        raise ValueError(
+            f"A {num_layers}-layer target has {max(num_layers, 0)} hidden states a draft can read (hidden_states 0 .. "
+            f"{num_layers - 1}: the embeddings and the outputs of the layers before the last), and an EAGLE-3 draft "
+            "reads three distinct ones: use a target of at least 3 decoder layers."
+        )
     official = [2, num_layers // 2, num_layers - 3]
     if len(set(official)) == 3 and num_layers - 3 > num_layers // 2:
         return official

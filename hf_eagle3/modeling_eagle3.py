@@ -367,6 +367,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         and SGLang load by id (SpecForge / SGLang `LlamaForCausalLMEagle3`), which `from_pretrained` reads back
         exactly; `served_layout=False` writes hf-eagle3's own layout (`model_type: eagle3`) instead.
         """
+        if Path(save_directory).is_file():  # transformers logs this and writes nothing; a caller would not notice
+            raise NotADirectoryError(
+                f"save_pretrained writes a folder, and {save_directory} is a file: pass a folder's path (it is made "
+                "when missing)."
+            )
         if served_layout and self._checkpoint_writer is not None:
             return self._checkpoint_writer(self, save_directory, *args, **kwargs)
         super().save_pretrained(save_directory, *args, **kwargs)
@@ -537,7 +542,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         use_cache: bool = True,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
     ) -> Eagle3DraftOutput:
         r"""
         Args:
@@ -552,8 +557,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 expansion passes the tree's ancestor mask here.
             cache (`Cache`, *optional*):
                 The draft's own key / value cache; created when `use_cache` and absent.
-            logits_to_keep (`int`, *optional*, defaults to 0):
-                Compute logits for the last `logits_to_keep` positions only (0: all).
+            logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
+                Compute logits for the last `logits_to_keep` positions only (0: all); a 1-D tensor: for the positions
+                it lists (empty: none), as transformers' models take it.
         """
         self.check_target_attached()
         hidden_states = hidden_states.to(self.fc.weight.dtype)  # target features may come in the target's dtype
@@ -589,7 +595,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             mask = windowed_mask if layer.self_attn.sliding_window is not None else attention_mask
             hidden_states = layer(inputs_embeds, hidden_states, position_embeddings, mask, cache)
         hidden_states = self.output_feature(hidden_states)
-        logits = self.compute_logits(hidden_states[:, -logits_to_keep:])
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.compute_logits(hidden_states[:, kept])
         return Eagle3DraftOutput(logits=logits, hidden_states=hidden_states, cache=cache)
 
 

@@ -348,7 +348,7 @@ def _damage(path: Path, damage: str) -> None:
 
 
 @pytest.mark.parametrize("damage", ["empty", "a directory", "a symlink", "wrong types", "plain_step=nan",
-                                    "plain_step=-1", "other=1e300", "plain_step=1e-12"])
+                                    "plain_step=-1", "other=1e300", "plain_step=1e-12", "cycle_scale=1e3"])
 def test_a_damaged_record_is_reported_once_and_measured_again(cache, llama_target, auto_draft, caplog, damage):
     _, path = calibrate(llama_target, auto_draft, measure=Measure())
     _damage(path, damage)

@@ -113,6 +113,16 @@ def test_prepare_data_records_the_record_range_it_read(tmp_path, target_dir, cap
     assert "START < STOP" in capsys.readouterr().err
 
 
+def test_a_record_range_past_the_end_of_the_inputs_says_so(tmp_path, target_dir):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(conversation(f"q{i}", f"answer {i}")) for i in range(6)))
+    with pytest.raises(SystemExit) as error:
+        main(["prepare-data", "--input", str(path), "--output", str(tmp_path / "data"), "--target", str(target_dir),
+              "--records", "6:"])
+    assert f"--records 6: selects no record of {path}: they end before position 6" in str(error.value)
+    assert "file format" not in str(error.value)
+
+
 def test_malformed_records_are_skipped_with_a_count(tmp_path):
     lines = [
         json.dumps({"messages": conversation("fine", "ok")}),
@@ -238,6 +248,22 @@ def test_prepare_writes_shards_and_resumes_without_regenerating(tmp_path, tokeni
     assert resumed.examples == first.examples == load_dataset(output)
     with pytest.raises(ValueError, match="these differ: max_length"):
         prepare_dataset([path], output, tokenizer, target=tiny_chat_target, **{**options, "max_length": 32})
+
+
+@pytest.mark.parametrize("damage", ["deleted", "not JSON", "another shape"])
+def test_a_shard_whose_record_is_missing_or_damaged_is_refused_with_what_to_do(tmp_path, tokenizer, damage):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conversation(f"question {i}?", "answer")}) for i in range(5)))
+    output = tmp_path / "prepared"
+    prepare_dataset([path], output, tokenizer, max_length=64, shard_size=2, progress=False)
+    record = output / "shard-00001.record.json"
+    if damage == "deleted":
+        record.unlink()
+    else:
+        record.write_text("{" if damage == "not JSON" else "[1, 2]")
+    with pytest.raises(ValueError) as error:
+        prepare_dataset([path], output, tokenizer, max_length=64, shard_size=2, progress=False)
+    assert str(record) in str(error.value) and f"Delete {output / 'shard-00001.jsonl'}" in str(error.value)
 
 
 def test_a_shard_is_regenerated_in_full_batches_when_prompts_over_the_cap_are_passed_over(tmp_path, tokenizer,

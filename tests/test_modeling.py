@@ -477,3 +477,21 @@ def test_a_damaged_draft_folder_is_refused_naming_what_is_wrong(tmp_path, damage
         Eagle3DraftModel.from_pretrained(tmp_path / "draft")
     with pytest.raises(SystemExit, match=convert_message):
         cli.main(["convert", str(tmp_path / "draft"), str(tmp_path / "converted")])
+
+
+def test_default_taps_are_three_distinct_layers_below_the_last_and_a_target_too_shallow_is_refused():
+    for layers in range(3, 40):
+        taps = Eagle3Config(target_num_hidden_layers=layers).target_layer_ids
+        assert len(set(taps)) == 3 and max(taps) < layers, (layers, taps)
+    for layers in (1, 2):
+        with pytest.raises(ValueError, match=f"A {layers}-layer target .* use a target of at least 3 decoder layers"):
+            Eagle3Config(target_num_hidden_layers=layers)
+
+
+def test_save_pretrained_onto_a_file_is_refused_and_leaves_the_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("kept")
+    for served_layout in (True, False):
+        with pytest.raises(NotADirectoryError, match="save_pretrained writes a folder, and .*notes.txt is a file"):
+            tiny_draft().save_pretrained(path, served_layout=served_layout)
+    assert path.read_text() == "kept"

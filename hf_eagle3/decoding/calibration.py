@@ -88,7 +88,11 @@ CALIBRATION_METHOD = 6  # in the key: records of an earlier way of measuring or 
 SECONDS_RANGE = (1e-6, 3600.0)  # a measured cost outside this is no measurement
 MAX_RECORD_BYTES = 1 << 20
 CORRECTION_WEIGHT = 0.5  # how far one call moves the record's scales toward what it measured, in log scale
-SCALE_RANGE = (1e-3, 1e3)  # a scale outside this is no correction
+# A scale outside its range is no correction: the machine's speed may change by orders of magnitude (a loaded or
+# throttled machine), the cycles against plain decoding only by what the calibration's shapes missed; corrections stop
+# at the bounds, and a record past them is measured again (a cycle_scale of 1e3 would keep every call plain for good,
+# as nothing is measured while a call decodes plainly).
+SCALE_RANGE = {"speed_scale": (1e-3, 1e3), "cycle_scale": (0.1, 10.0)}
 CPU_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")  # what decides a CPU's float32 / bfloat16 speed
 logger = logging.get_logger(__name__)
 # Costs measured in this process that could not be written to the cache, or stayed noisy, by record path: the
@@ -203,9 +207,9 @@ class MachineCosts:
         spread = record.get("spread", 0.0)
         if isinstance(spread, bool) or not isinstance(spread, int | float) or not 0 <= spread < math.inf:
             raise ValueError(f"spread must be a finite number >= 0, got {spread!r}")
-        scales = {name: record.get(name, 1.0) for name in ("speed_scale", "cycle_scale")}
-        low, high = SCALE_RANGE
+        scales = {name: record.get(name, 1.0) for name in SCALE_RANGE}
         for name, scale in scales.items():
+            low, high = SCALE_RANGE[name]
             if isinstance(scale, bool) or not isinstance(scale, int | float) or not low <= scale <= high:
                 raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {scale!r}")
         return cls(
@@ -669,11 +673,12 @@ def correct_calibration(choice: TreeChoice, measured_cycle: float, measured_plai
     predicted_cycle, predicted_step = sum(costs.cycle_parts(shape).values()), choice.plain_step
     cycle, step = max(measured_cycle, SECONDS_RANGE[0]), max(measured_plain_step, SECONDS_RANGE[0])
 
-    def moved(scale: float, ratio: float) -> float:
-        return min(max(scale * ratio ** CORRECTION_WEIGHT, SCALE_RANGE[0]), SCALE_RANGE[1])
+    def moved(name: str, ratio: float) -> float:
+        low, high = SCALE_RANGE[name]
+        return min(max(getattr(costs, name) * ratio ** CORRECTION_WEIGHT, low), high)
 
-    corrected = replace(costs, speed_scale=moved(costs.speed_scale, step / predicted_step),
-                        cycle_scale=moved(costs.cycle_scale, (cycle / step) / (predicted_cycle / predicted_step)))
+    corrected = replace(costs, speed_scale=moved("speed_scale", step / predicted_step),
+                        cycle_scale=moved("cycle_scale", (cycle / step) / (predicted_cycle / predicted_step)))
     if path in _KEPT_IN_MEMORY:
         if _KEPT_IN_MEMORY[path] != costs:
             return None

@@ -116,7 +116,8 @@ class Eagle3Drafter:
         mask = visible[:, None, :].expand(-1, length, -1).clone()  # [b, m, P + m]
         mask[:, :, -length:] &= causal
         output = self.draft(input_ids=next_tokens, hidden_states=target_features.to(self.draft.dtype),
-                            position_ids=positions, attention_mask=mask[:, None], cache=self.cache, logits_to_keep=1)
+                            position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
+                            logits_to_keep=positions.new_empty(0))  # only the roots' logits, below
         self.visible = visible
         offsets = torch.arange(length, device=fed.device)
         last = torch.where(fed, offsets, -1).max(-1).values  # [b]

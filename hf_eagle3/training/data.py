@@ -692,7 +692,7 @@ def prepare_dataset(
         shard_path = output_dir / f"shard-{shard_index:05d}.jsonl"
         record_path = output_dir / f"shard-{shard_index:05d}.record.json"  # what the shard was made from
         if shard_path.exists():
-            record = json.loads(record_path.read_text())
+            record = _shard_record(shard_path, record_path)
             for _ in itertools.islice(conversations, record["conversations_read"]):  # past what it was made from
                 pass
             shard_examples, shard_skips = _read_shard(shard_path), SkipCounts(record["skipped"])
@@ -713,6 +713,12 @@ def prepare_dataset(
     bar.close()
     skipped.update(read_skips)
 
+    if not examples and not skipped and records is not None:
+        raise ValueError(
+            f"--records {records.start}:{'' if records.stop == sys.maxsize else records.stop} selects no record of "
+            f"{', '.join(map(str, inputs))}: they end before "
+            f"position {records.start} (positions count from 0). Pass a range inside the inputs."
+        )
     if not examples:
         raise ValueError(
             f"No usable conversation in {settings['inputs']} (skipped: {skipped.summary()}). Check the file format: "
@@ -722,6 +728,26 @@ def prepare_dataset(
                 "skipped_at": skipped.locations}
     _write_atomically(manifest_path, [json.dumps(manifest, indent=2)])
     return PreparedData(examples, skipped)
+
+
+def _shard_record(shard_path: Path, record_path: Path) -> dict:
+    """The record of a shard already written (how many input conversations it was made from, and what it skipped),
+    refused with what to do when it is missing or damaged: without it the inputs cannot be resumed past the shard."""
+    try:
+        record = json.loads(record_path.read_text())
+        if isinstance(record, dict) and isinstance(record.get("conversations_read"), int) \
+                and isinstance(record.get("skipped"), dict):
+            return record
+        problem = "does not hold conversations_read and skipped"
+    except FileNotFoundError:
+        problem = "is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        problem = f"cannot be read ({error})"
+    raise ValueError(
+        f"{record_path} {problem}: it says how many input conversations {shard_path.name} was made from, so the "
+        f"inputs cannot be resumed past that shard. Delete {shard_path} to make it again (or prepare into a new "
+        "--output-dir)."
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
