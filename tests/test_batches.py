@@ -151,22 +151,26 @@ def test_logits_processors_and_context_candidates_on_batches(llama_target, fitte
     assert torch.equal(out.sequences, expected)
 
 
+REPEATS = 20  # copies of each prompt per batch
+
+
 @pytest.mark.parametrize("shape", [dict(tree_depth=3, tree_top_k=3, tree_total_tokens=8),
                                    dict(tree_depth=3, tree_top_k=1)], ids=["tree", "sampled-chain"])
 def test_sampling_keeps_every_rows_exact_distribution(sampling_target, sampling_draft, shape):
+    """Two prompts of different lengths (one left-padded), each repeated `REPEATS` times in one batch."""
     target, draft = sampling_target, sampling_draft
     prompts = [torch.tensor([5, 17, 3, 9]), torch.tensor([11, 2])]
-    batch = dict(input_ids=torch.tensor([[5, 17, 3, 9], [PAD, PAD, 11, 2]]),
-                 attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]))
+    batch = dict(input_ids=torch.tensor([[5, 17, 3, 9], [PAD, PAD, 11, 2]] * REPEATS),
+                 attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]] * REPEATS))
     settings = SETTINGS["top-k-20"]
     torch.manual_seed(3)
     counts = torch.zeros(2, SAMPLING_VOCAB, SAMPLING_VOCAB, SAMPLING_VOCAB)
     accepted = 0
-    for _ in range(SAMPLES):
+    for _ in range(SAMPLES // REPEATS):
         out = target.generate(**batch, do_sample=True, max_new_tokens=3, top_k=settings["top_k"],
                               temperature=settings["temperature"], pad_token_id=PAD, assistant_model=draft, **shape)
-        for row in range(2):
-            counts[(row, *out[row, 4:].tolist())] += 1
+        for row, sequence in enumerate(out[:, 4:].tolist()):
+            counts[(row % 2, *sequence)] += 1
         accepted += sum(length - 1 for length in draft.generation_stats.acceptance_lengths)
     for row, prompt in enumerate(prompts):
         assert chi_square_p_value(counts[row], exact_joint(target, settings, prompt[None])) > 1e-3, row

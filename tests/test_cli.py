@@ -12,8 +12,8 @@ import transformers
 import hf_eagle3
 from hf_eagle3.commands.cli import build_parser, main
 
-COMMANDS = ["demo", "bench", "bench-batches", "bench-attention", "tune-tree", "prepare-data", "code-tasks", "train",
-            "convert", "push"]
+COMMANDS = ["demo", "bench", "bench-batches", "bench-attention", "bench-train-step", "tune-tree", "prepare-data",
+            "code-tasks", "train", "convert", "push"]
 DOCUMENTED = COMMANDS
 
 

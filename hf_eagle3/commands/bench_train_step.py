@@ -74,36 +74,36 @@ def train_step(length: int, ttt_steps: int, dtype: str, device: str, cap_gib: fl
     return result
 
 
-def markdown_table(results: list[dict]) -> str:
-    lines = ["| T | peak host memory (GiB) | peak device memory (GiB) | tokens/s | step (s) |", "|---|---|---|---|---|"]
-    for result in results:
-        device_memory = f"{result['peak_device_gib']:.1f}" if "peak_device_gib" in result else "-"
-        speed = f"{result['tokens_per_second']:.1f}" if "error" not in result else f"failed: {result['error']}"
-        lines.append(f"| {result['length']} | {result['peak_host_gib']:.1f} | {device_memory} | {speed} | "
-                     f"{result['seconds']:.0f} |")
-    return "\n".join(lines)
+TABLE_HEADER = ["| T | peak host memory (GiB) | peak device memory (GiB) | tokens/s | step (s) |",
+                "|---|---|---|---|---|"]
+
+
+def table_row(result: dict) -> str:
+    device_memory = f"{result['peak_device_gib']:.1f}" if "peak_device_gib" in result else "-"
+    speed = f"{result['tokens_per_second']:.1f}" if "error" not in result else f"failed: {result['error']}"
+    return (f"| {result['length']} | {result['peak_host_gib']:.1f} | {device_memory} | {speed} | "
+            f"{result['seconds']:.0f} |")
 
 
 def _run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cap_gib = args.cap_gib if torch.device(args.device).type == "cpu" else None  # CUDA maps more than it uses
-    results = []
-    for length in args.lengths:  # one process per length: its own peak resident set and address-space cap
-        with multiprocessing.get_context("spawn").Pool(1, initializer=torch.set_num_threads,
-                                                       initargs=(torch.get_num_threads(),)) as pool:
-            results.append(pool.apply(train_step, (length, args.ttt_steps, args.dtype, args.device, cap_gib,
-                                                   args.loss)))
     print(f"{machine_description(args.device)}, {args.dtype}, {torch.get_num_threads()} threads, Llama-3.1-8B-shaped "
           f"draft (1 layer, draft vocabulary {DRAFT_VOCAB:,}), batch 1, {args.ttt_steps} TTT steps, --loss "
           f"{args.loss}" + (f", address space capped at {cap_gib} GiB" if cap_gib else ""))
-    print(markdown_table(results))
+    print("\n".join(TABLE_HEADER), flush=True)
+    for length in args.lengths:  # one process per length: its own peak resident set and address-space cap
+        with multiprocessing.get_context("spawn").Pool(1, initializer=torch.set_num_threads,
+                                                       initargs=(torch.get_num_threads(),)) as pool:
+            result = pool.apply(train_step, (length, args.ttt_steps, args.dtype, args.device, cap_gib, args.loss))
+        print(table_row(result), flush=True)  # a row as soon as it is measured: a long step is minutes
 
 
 def register_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench-train-step", help="Peak memory and tokens/s of one training step of a Llama-3.1-8B-shaped draft.",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="tokens per training sequence")
     parser.add_argument("--ttt-steps", type=int, default=7, help="training-time-test steps")
     parser.add_argument("--loss", default="kl", choices=LOSSES, help="the step loss")

