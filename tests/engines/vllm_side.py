@@ -1,6 +1,6 @@
 """Runs in vLLM's own virtualenv (`tests/engines/run.py` makes it): greedy decoding of the prompts in a job file,
-plainly or with an EAGLE-3 draft, one prompt at a time; prints one JSON line with the tokens, the seconds and vLLM's
-own speculative-decoding counters.
+plainly or with an EAGLE-3 draft, one prompt at a time; prints one line, `RESULT` and JSON, with the tokens, the seconds
+and vLLM's own speculative-decoding counters.
 
     python vllm_side.py JOB.json plain|eagle3
 """
@@ -11,6 +11,8 @@ import time
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+
+RESULT = "vllm_side result: "  # the line holding the result: vLLM logs to stdout too, also while it shuts down
 
 
 def main(job_file: str, method: str) -> None:
@@ -31,7 +33,7 @@ def main(job_file: str, method: str) -> None:
         tokens.append(list(output.outputs[0].token_ids))
     after = _counters(llm)
     counters = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "counters": counters}))
+    print(RESULT + json.dumps({"tokens": tokens, "seconds": seconds, "counters": counters}), flush=True)
 
 
 def _counters(llm: LLM) -> dict[str, float]:
