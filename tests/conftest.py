@@ -7,6 +7,8 @@ import pytest
 import torch
 from helpers import SAMPLING_VOCAB, VOCAB, fit_draft, peaked_target, tiny_draft, tiny_target
 
+from hf_eagle3.resources.smollm2 import smollm2_path
+
 torch.set_num_threads(1)  # tiny models gain nothing from threads; on a shared 2-core box threads oversubscribe
 
 
@@ -39,6 +41,16 @@ def sampling_target(_peaked_target):
 @pytest.fixture
 def sampling_draft(sampling_target):
     return fit_draft(tiny_draft(vocab_size=SAMPLING_VOCAB, draft_vocab_size=SAMPLING_VOCAB), sampling_target, steps=60)
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A cache directory of the test's own (`HF_EAGLE3_CACHE`), holding the embedded target (linked, not rebuilt: its
+    first-use build has tests of its own) and nothing else: no calibration record yet."""
+    target_dir = smollm2_path()
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))
+    (tmp_path / target_dir.name).symlink_to(target_dir, target_is_directory=True)
+    return tmp_path
 
 
 # The compatibility subset (marker `compat`): CI runs it also under the oldest and the newest tested transformers

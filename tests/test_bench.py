@@ -73,13 +73,16 @@ def test_a_cycle_counts_as_ending_outside_the_vocabulary_when_its_last_token_can
     assert cycles_ending_outside_vocabulary(new_tokens[:1], [], drafted) == 0
 
 
-def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fitted_draft, tmp_path):
+def test_run_benchmark_reports_every_method_and_writes_records(llama_target, fitted_draft, tmp_path, capsys):
     torch.manual_seed(0)
     prompts = {"set-a": [torch.randint(1, 90, (1, 7)) for _ in range(2)], "set-b": [torch.randint(1, 90, (1, 5))]}
     methods = methods_from_names(["plain", "prompt-lookup", "chain", "tree:3x3x8"], 3, 3, 8)
     records_path = tmp_path / "records.jsonl"
     result = run_benchmark(llama_target, fitted_draft, prompts, methods, max_new_tokens=12, repetitions=2,
-                           progress=False, records_path=records_path)
+                           records_path=records_path)
+    progress = capsys.readouterr().err  # the untimed warm-up shows its progress too, then the timed runs
+    assert "warm-up (compiles and calibrates, untimed): 100%" in progress and "8/8" in progress
+    assert progress.index("warm-up") < progress.index("bench: 100%")
 
     records = [json.loads(line) for line in records_path.read_text().splitlines()]
     assert len(records) == 3 * 4 and records == json.loads(json.dumps(result["records"]))

@@ -87,8 +87,7 @@ def test_each_prompt_set_is_compared_with_its_own_fastest_plain_decoding():
 
 @pytest.mark.slow  # the real target and draft, calibrated (about a minute on a 2-core machine)
 def test_the_demo_runs_from_the_calibration_to_the_speedup_line_against_each_set_s_fastest_plain_decoding(
-        tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))  # its calibration record stays out of the user's cache
+        own_cache, capsys):  # its calibration record stays out of the user's cache
     main(["demo", "--prompts-per-set", "1", "--max-new-tokens", "8", "--repetitions", "1", "--dtype", "float32",
           "--threads", "1"])
     printed = capsys.readouterr().out.splitlines()

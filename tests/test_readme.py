@@ -16,7 +16,6 @@ import torch
 
 from hf_eagle3.decoding.calibration import MachineCosts, calibration_key, calibration_path, machine_description
 from hf_eagle3.resources.loading import load_draft, load_target
-from hf_eagle3.resources.smollm2 import smollm2_path
 
 README = Path(__file__).parents[1] / "README.md"
 NOT_RUN = re.compile(r"<!-- not run: (.+?) -->")
@@ -62,15 +61,6 @@ def _write_calibration(target, draft, trees_pay: bool) -> None:
         path.write_text(json.dumps({"key": key, "costs": costs.to_json()}))
 
 
-@pytest.fixture
-def readme_cache(tmp_path, monkeypatch):
-    """A cache directory of its own, holding the embedded target (linked, not rebuilt) and no calibration yet."""
-    target_dir = smollm2_path()
-    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))
-    (tmp_path / target_dir.name).symlink_to(target_dir, target_is_directory=True)
-    return tmp_path
-
-
 def test_every_readme_example_is_python_and_every_skipped_one_says_why():
     examples = readme_examples()
     assert examples and any(reason is None for _, _, reason in examples)
@@ -80,7 +70,7 @@ def test_every_readme_example_is_python_and_every_skipped_one_says_why():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trees_pay", [True, False], ids=["short-trees-pay", "no-tree-pays"])
-def test_readme_examples_run_offline_as_written(trees_pay, readme_cache):
+def test_readme_examples_run_offline_as_written(trees_pay, own_cache):
     target, _ = load_target("smollm2", torch.float32)
     _write_calibration(target, load_draft("shipped", torch.float32), trees_pay)
     namespace = {"__name__": "__readme__"}

@@ -226,9 +226,11 @@ def run_benchmark(
         seconds = time.perf_counter() - start
         return seconds, output, draft.generation_stats if method.is_eagle3 else None
 
-    for prompts in prompt_sets.values():  # warm-up: every method, every set
-        for method in methods:
-            decode(method, prompts[0])
+    # warm-up: every method on every set's first prompt, which compiles, calibrates `auto` on first use (a minute or
+    # more on two cores) and fills the caches the timed runs then find
+    warm_up = [(method, prompts[0]) for prompts in prompt_sets.values() for method in methods]
+    for method, input_ids in tqdm(warm_up, disable=not progress, desc="warm-up (compiles and calibrates, untimed)"):
+        decode(method, input_ids)
     # what the calibration (measured in the warm-up, cached) predicts for each `auto` method
     choices = {method.name: choose_tree(target, draft, method.generate_kwargs.get("ngram_candidates"), 1,
                                         method.generate_kwargs.get("compile_config"),
