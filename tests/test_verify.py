@@ -79,3 +79,4 @@ def test_rejection_of_every_candidate_holding_all_mass_falls_back_to_the_target(
     target = torch.tensor([0.0, 1.0, 0.0])
     index, residual = accept_among_children(target, torch.tensor([1]), torch.tensor([1.0]))
     assert index == -1 and torch.equal(residual, target)
+

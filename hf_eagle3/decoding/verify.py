@@ -17,17 +17,20 @@ Sampling, both rules lossless (the emitted token is distributed exactly as the t
 `accept_argmax` (greedy) and `accept_sampling` (speculative sampling among deterministic candidates) verify every
 row's tree at once, as tensors whose shapes do not depend on what was accepted, so that the device is never waited
 on: the decoding loop reads one small tensor back per cycle. `node_scores` gives them the target's processed scores
-at every node in one logits-processor call, where the processors do not read the sequence (temperature, top-k,
-top-p, ...). Where they do (a repetition penalty, ...) or chains were sampled from the draft, `accept_walk` walks
-each row's tree by a rule (`greedy_pick`, `sampling_pick`, over `processed_scores`), node by node.
+at every node: in one logits-processor call where the processors do not read the sequence (temperature, top-k,
+top-p, ...), and where some do but score each row from its own sequence alone (a repetition penalty, minimum
+lengths), in one call per tree level over every node's sequence. Where a processor cannot (per-row state,
+no-repeat-ngram's host n-grams, an unknown processor) or chains were sampled from the draft, `accept_walk` walks each
+row's tree by a rule (`greedy_pick`, `sampling_pick`, over `processed_scores`), node by node.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from .tree import DraftTree
+from .tree import DraftTree, node_paths
 
 
 def greedy_paths(tree: DraftTree, target_choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +52,11 @@ def greedy_paths(tree: DraftTree, target_choices: torch.Tensor) -> tuple[torch.T
 
 
 def tree_path(tree: DraftTree, node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The path from the root to `node` (`[b]`) of each row: `[b]` its length in nodes and `[b, D + 1]` its node
-    indices, root first, the last repeated past the length (`D = tree.max_depth`): a fixed shape."""
-    on_path = tree.ancestors.gather(1, node[:, None, None].expand(-1, 1, tree.num_nodes))[:, 0]  # [b, N + 1]
-    # nodes are ordered by depth, so a path's nodes in index order are in root-to-node order
-    indices = torch.arange(tree.num_nodes, device=node.device)
-    ordered = torch.where(on_path, indices, tree.num_nodes).sort(-1).values[:, : tree.max_depth + 1]
+    """The path from the root to `node` (`[b]`) of each row: `[b]` its length in nodes and `[b, W]` its node
+    indices, root first, the last repeated past the length (`node_paths`: a fixed shape)."""
+    paths = node_paths(tree)
     lengths = tree.depths.gather(-1, node[:, None])[:, 0] + 1
-    return lengths, torch.where(ordered < tree.num_nodes, ordered, node[:, None])
+    return lengths, paths.gather(1, node[:, None, None].expand(-1, 1, paths.shape[-1]))[:, 0]
 
 
 def children(tree: DraftTree, node: int) -> torch.Tensor:
@@ -290,26 +290,94 @@ def processed_scores(logits_processor, sequence: torch.Tensor, tree: DraftTree, 
     return scores_after
 
 
-# Logits processors whose scores do not depend on the sequence (`input_ids`): one call scores every node of a cycle.
+# Logits processors whose scores do not depend on the sequence (`input_ids`).
 SEQUENCE_FREE_PROCESSORS = (
     "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
     "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "LogitNormalization",
     "SuppressTokensLogitsProcessor", "InfNanRemoveLogitsProcessor",
 )
+# Logits processors that read the sequence and score each row from that row's sequence and scores alone, keeping no
+# state across calls.
+ROW_WISE_PROCESSORS = (
+    "RepetitionPenaltyLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+)
 
 
-def reads_sequence(logits_processor) -> bool:
-    """Whether any of the processors may depend on the sequence (an unknown one may)."""
-    return any(type(processor).__name__ not in SEQUENCE_FREE_PROCESSORS
-               or type(processor).__module__ != "transformers.generation.logits_process"
-               for processor in logits_processor)
+def _one_of(processor, names: tuple[str, ...]) -> bool:
+    return type(processor).__name__ in names and type(processor).__module__ == "transformers.generation.logits_process"
 
 
-def node_scores(logits_processor, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
-    """The processed scores `[b, N + 1, V]` at every node from the raw `logits`, in one call of processors that do not
-    read the sequence (`reads_sequence` false)."""
+def reads_sequence(processor) -> bool:
+    """Whether a processor's scores may depend on the sequence (an unknown one's may)."""
+    return not _one_of(processor, SEQUENCE_FREE_PROCESSORS)
+
+
+def scores_every_node(logits_processor) -> bool:
+    """Whether `node_scores` can score every node at once: each processor reads no sequence, or scores a row from
+    that row alone. Not so for a processor with per-row state that `per_row` does not resolve (a prefix
+    constraint's batch index, a watermark's), one that reads the sequence on the host anyway (no-repeat-ngram's n-grams
+    are Python dictionaries: one read per sequence, so scoring every node would read more, not less), or an unknown
+    one: `accept_walk` walks those trees node by node."""
+    return all(not reads_sequence(processor) or (
+        _one_of(processor, ROW_WISE_PROCESSORS)
+        and not isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor))
+        for processor in logits_processor)
+
+
+def per_row(logits_processor, batch_size: int) -> list[LogitsProcessorList]:
+    """Each row's processors, with their per-row state resolved where it is known: a repetition penalty that ignores a
+    prompt length per row (`prompt_ignore_length` a `[B]` tensor: `generate` passes each row's left padding) becomes,
+    for row `i`, one that ignores its first `prompt_ignore_length[i]` tokens (read here, once a call)."""
+    ignored = {id(processor): processor.prompt_ignore_length.tolist() for processor in logits_processor
+               if _one_of(processor, ROW_WISE_PROCESSORS)
+               and isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor)}
+
+    def of_row(processor, row: int):
+        if id(processor) not in ignored:
+            return processor
+        return RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=ignored[id(processor)][row])
+
+    return [LogitsProcessorList([of_row(processor, row) for processor in logits_processor])
+            for row in range(batch_size)]
+
+
+def node_scores(row_processors: list, sequences: list[torch.Tensor], tree: DraftTree,
+                logits: torch.Tensor) -> torch.Tensor:
+    """The processed scores `[b, N + 1, V]` at every node from the raw `logits`, each as plain decoding computes it
+    after the node's sequence: its row's `sequences[i]` (`[L_i]`, the root last), then its path's tokens, through
+    its row's processors `row_processors[i]` (`per_row`).
+
+    The processors up to the last that reads the sequence run once per row and tree level, over all the row's nodes
+    with their sequences cut at the level's length, each node keeping its own level's scores (`along_paths`); those
+    after it run once over every node. Shapes are fixed by the tree: nothing is read back. Every processor must read
+    no sequence or score a row from that row alone (`scores_every_node`)."""
     batch, num_nodes, vocab = logits.shape
-    return logits_processor(tree.tokens.reshape(-1, 1), logits.reshape(-1, vocab).float()).view(batch, num_nodes, vocab)
+    readers = 1 + max((i for i, processor in enumerate(row_processors[0]) if reads_sequence(processor)), default=-1)
+    scores = logits.float()
+    if readers:
+        paths = node_paths(tree)[..., 1:]  # [b, N + 1, W - 1]: each node's drafted tokens, root excluded
+        path_tokens = tree.tokens.gather(1, paths.flatten(1)).view(paths.shape)
+        scores = torch.stack([
+            along_paths(LogitsProcessorList(processors[:readers]), sequence, path_tokens[row], tree.depths[row],
+                        scores[row])
+            for row, (processors, sequence) in enumerate(zip(row_processors, sequences))])
+    rest = LogitsProcessorList(row_processors[0][readers:])  # the same for every row: none has per-row state
+    return rest(tree.tokens.reshape(-1, 1), scores.reshape(-1, vocab)).view(batch, num_nodes, vocab)
+
+
+def along_paths(logits_processor, sequence: torch.Tensor, path_tokens: torch.Tensor, depths: torch.Tensor,
+                scores: torch.Tensor) -> torch.Tensor:
+    """One row's processed `scores` (`[n, V]`) at its nodes, each after `sequence` (`[L]`) and its path's tokens
+    (`path_tokens` `[n, W - 1]`, the first `depths` of them its own): one call per depth `d` over every node's
+    sequence cut at `L + d` tokens, of which the nodes at depth `d` keep theirs."""
+    num_nodes = scores.shape[0]
+    processed = scores
+    for depth in range(path_tokens.shape[-1] + 1):
+        node_sequences = torch.cat([sequence.expand(num_nodes, -1), path_tokens[:, :depth]], dim=-1)
+        at_depth = logits_processor(node_sequences, scores.clone())
+        processed = torch.where((depths == depth)[:, None], at_depth, processed)
+    return processed
 
 
 def _normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
