@@ -44,6 +44,7 @@ from .verify import (
     node_scores,
     per_row,
     processed_scores,
+    proposals_over_target,
     sample,
     sampling_pick,
     scores_every_node,
@@ -211,15 +212,19 @@ def verify(run: Run, state: BatchState, proposal: DraftProposal) -> tuple[torch.
 
 def accept(run: Run, state: BatchState, proposal: DraftProposal, logits: torch.Tensor) -> Acceptance:
     """Every row's accepted path and bonus token: decided for all rows at once, over the target's raw logits (in the
-    model dtype: argmax is exact) or its processed scores at every node; node by node where a processor cannot score
-    every node at once (`scores_every_node`) or chains were sampled from the draft."""
+    model dtype: argmax is exact) or its processed scores at every node (chains sampled from the draft included);
+    node by node where a processor cannot score every node at once (`scores_every_node`)."""
     tree, keep_scores, processors = proposal.tree, run.stopping.keep_scores, run.logits_processor
     if run.temperature is None and len(processors) == 0:
         return accept_argmax(tree, logits, keep_scores)
-    if scores_every_node(run.row_processors[0]) and proposal.sampled is None:
+    if scores_every_node(run.row_processors[0]):
         scores = node_scores([run.row_processors[row.index] for row in state.rows], [row.tokens for row in state.rows],
                              tree, logits)
-        return (accept_argmax if run.temperature is None else accept_sampling)(tree, scores, keep_scores)
+        if run.temperature is None:
+            return accept_argmax(tree, scores, keep_scores)
+        proposals = None if proposal.sampled is None else proposals_over_target(
+            proposal.draft_probs.to(scores.dtype), run.draft_to_target, scores.shape[-1])
+        return accept_sampling(tree, scores, keep_scores, proposals, proposal.sampled)
     walks = []
     for index, row in enumerate(state.rows):
         row_tree = tree.row(index)
