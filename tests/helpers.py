@@ -14,6 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -170,6 +171,8 @@ def peaked_target():
 
 def _warpers(settings: dict) -> LogitsProcessorList:
     warpers = LogitsProcessorList([TemperatureLogitsWarper(settings["temperature"])])
+    if "repetition_penalty" in settings:  # as generate orders them: the penalty before the warpers
+        warpers.insert(0, RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"]))
     if "top_k" in settings:
         warpers.append(TopKLogitsWarper(settings["top_k"]))
     if "top_p" in settings:

@@ -151,10 +151,20 @@ def test_return_dict_outputs_match_plain_decoding(llama_target, fitted_draft):
     assert isinstance(ours_cache, DynamicCache) and ours_cache.get_seq_length() == plain_cache.get_seq_length()
 
 
-def test_logits_processors_shape_greedy_decoding_as_in_plain_decoding(llama_target, fitted_draft):
+@pytest.mark.parametrize("processors", [dict(repetition_penalty=1.3), dict(repetition_penalty=1.3, min_new_tokens=24),
+                                        dict(repetition_penalty=1.3, no_repeat_ngram_size=3)],
+                         ids=["repetition-penalty", "min-new-tokens", "no-repeat-ngram"])
+def test_logits_processors_shape_greedy_decoding_as_in_plain_decoding(llama_target, fitted_draft, processors):
+    """Every node scored at once along its path (a repetition penalty, a minimum length), or node by node (the
+    n-gram ban); with `min_new_tokens`, the EOS is a token plain decoding would emit early without it."""
     prompt = PROMPTS[2]
-    kwargs = dict(max_new_tokens=30, repetition_penalty=1.3, no_repeat_ngram_size=3)
-    assert torch.equal(_eagle(llama_target, fitted_draft, prompt, **kwargs), _plain(llama_target, prompt, **kwargs))
+    kwargs = dict(max_new_tokens=30, **processors)
+    if "min_new_tokens" in processors:
+        early = _plain(llama_target, prompt, max_new_tokens=30, repetition_penalty=1.3)[0, prompt.shape[1] + 4]
+        kwargs["eos_token_id"] = int(early)
+    plain = _plain(llama_target, prompt, **kwargs)
+    assert plain.shape[1] > prompt.shape[1] + 20
+    assert torch.equal(_eagle(llama_target, fitted_draft, prompt, **kwargs, **TREE), plain)
 
 
 def test_peft_adapted_target_is_lossless(fitted_draft):

@@ -125,17 +125,23 @@ def _prompts(batch_size: int) -> dict:
     return dict(input_ids=input_ids, attention_mask=attention_mask)
 
 
+# A processor that reads the sequence: every node is scored along its path, still without a read
+PENALTY = dict(repetition_penalty=1.2)
+
+
+@pytest.mark.parametrize("processors", [{}, PENALTY], ids=["", "repetition-penalty"])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_a_greedy_cycle_reads_the_device_once(counted, llama_target, fitted_draft, batch_size):
-    ops, cycles = counted(llama_target, fitted_draft, **_prompts(batch_size), do_sample=False)
+def test_a_greedy_cycle_reads_the_device_once(counted, llama_target, fitted_draft, batch_size, processors):
+    ops, cycles = counted(llama_target, fitted_draft, **_prompts(batch_size), do_sample=False, **processors)
     assert cycles > 5
     assert len(ops) <= cycles, f"{len(ops) / cycles:.2f} syncs per cycle: {sorted(set(ops))}"
 
 
+@pytest.mark.parametrize("processors", [{}, PENALTY], ids=["", "repetition-penalty"])
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_a_sampling_cycle_reads_the_device_at_most_twice(counted, llama_target, fitted_draft, batch_size):
+def test_a_sampling_cycle_reads_the_device_at_most_twice(counted, llama_target, fitted_draft, batch_size, processors):
     torch.manual_seed(0)
-    ops, cycles = counted(llama_target, fitted_draft, **_prompts(batch_size), **SAMPLING)
+    ops, cycles = counted(llama_target, fitted_draft, **_prompts(batch_size), **SAMPLING, **processors)
     assert cycles > 5
     assert len(ops) <= 2 * cycles, f"{len(ops) / cycles:.2f} syncs per cycle: {sorted(set(ops))}"
 

@@ -57,6 +57,16 @@ def test_eagle3_sampling_matches_the_exact_distribution(sampling_target, samplin
     assert accepted >= 1  # the last call went through verification
 
 
+def test_sampling_with_a_repetition_penalty_matches_the_exact_distribution(sampling_target, sampling_draft):
+    """The penalty reads the sequence: each node's scores are computed after its own path."""
+    torch.manual_seed(3)
+    settings = SETTINGS["temperature-1.0"] | dict(repetition_penalty=1.5)
+    counts = _sample_counts(sampling_target, settings, assistant_model=sampling_draft, repetition_penalty=1.5,
+                            tree_top_k=3, tree_depth=3, tree_total_tokens=8)
+    assert chi_square_p_value(counts, exact_joint(sampling_target, settings, PROMPT)) > 1e-3
+    assert sum(sampling_draft.generation_stats.acceptance_lengths) >= 1
+
+
 @pytest.mark.parametrize(("name", "shape"), [("temperature-1.0", dict(tree_top_k=3, tree_depth=3, tree_total_tokens=8)),
                                              ("top-k-20", dict(tree_top_k=1, tree_depth=3))], ids=["tree", "chain"])
 def test_sampling_with_context_ngram_candidates_matches_the_exact_distribution(sampling_target, sampling_draft, name,

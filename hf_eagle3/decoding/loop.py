@@ -42,10 +42,12 @@ from .verify import (
     accept_walk,
     greedy_pick,
     node_scores,
+    per_row,
     processed_scores,
-    reads_sequence,
+    proposals_over_target,
     sample,
     sampling_pick,
+    scores_every_node,
     stacked,
 )
 
@@ -64,6 +66,7 @@ class Run:
     layer_ids: list[int]
     draft_to_target: torch.Tensor  # [V_d] the target id of each draft vocabulary entry
     logits_processor: object
+    row_processors: list  # each row's processors, per-row state resolved (`verify.per_row`)
     stopping: Stopping
     temperature: float | None  # sampling temperature; `None` for greedy decoding
     record_cycles: bool
@@ -126,7 +129,8 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
     stats = Eagle3GenerationStats(settings.tree, shape_choice=settings.shape_choice, choice=settings.choice)
     draft.generation_stats = stats
     return Run(
-        model, forward, draft, settings, attention, layer_ids, draft.draft_to_target, logits_processor, stopping,
+        model, forward, draft, settings, attention, layer_ids, draft.draft_to_target, logits_processor,
+        per_row(logits_processor, batch_size), stopping,
         temperature=(generation_config.temperature or 1.0) if do_sample else None,
         record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, batch_size=batch_size,
         device=input_ids.device, streamer=streamer, stats=stats,
@@ -208,14 +212,19 @@ def verify(run: Run, state: BatchState, proposal: DraftProposal) -> tuple[torch.
 
 def accept(run: Run, state: BatchState, proposal: DraftProposal, logits: torch.Tensor) -> Acceptance:
     """Every row's accepted path and bonus token: decided for all rows at once, over the target's raw logits (in the
-    model dtype: argmax is exact) or its processed scores at every node; node by node where the processors read the
-    sequence or chains were sampled from the draft."""
+    model dtype: argmax is exact) or its processed scores at every node (chains sampled from the draft included);
+    node by node where a processor cannot score every node at once (`scores_every_node`)."""
     tree, keep_scores, processors = proposal.tree, run.stopping.keep_scores, run.logits_processor
     if run.temperature is None and len(processors) == 0:
         return accept_argmax(tree, logits, keep_scores)
-    if not reads_sequence(processors) and proposal.sampled is None:
-        scores = node_scores(processors, tree, logits)
-        return (accept_argmax if run.temperature is None else accept_sampling)(tree, scores, keep_scores)
+    if scores_every_node(run.row_processors[0]):
+        scores = node_scores([run.row_processors[row.index] for row in state.rows], [row.tokens for row in state.rows],
+                             tree, logits)
+        if run.temperature is None:
+            return accept_argmax(tree, scores, keep_scores)
+        proposals = None if proposal.sampled is None else proposals_over_target(
+            proposal.draft_probs.to(scores.dtype), run.draft_to_target, scores.shape[-1])
+        return accept_sampling(tree, scores, keep_scores, proposals, proposal.sampled)
     walks = []
     for index, row in enumerate(state.rows):
         row_tree = tree.row(index)

@@ -93,6 +93,15 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return ancestors
 
 
+def node_paths(tree: DraftTree) -> torch.Tensor:
+    """`[b, N + 1, W]` the path from the root to every node: its node indices, root first, the node itself repeated
+    past its depth (`W = min(N + 1, max_depth + 1)`: a fixed shape)."""
+    nodes = torch.arange(tree.num_nodes, device=tree.tokens.device)
+    # nodes are ordered by depth, so a path's nodes in index order are in root-to-node order
+    ordered = torch.where(tree.ancestors, nodes, tree.num_nodes).sort(-1).values[..., : tree.max_depth + 1]
+    return torch.where(ordered < tree.num_nodes, ordered, nodes[:, None])
+
+
 def build_tree(
     root_token: torch.Tensor,
     candidate_tokens: torch.Tensor,

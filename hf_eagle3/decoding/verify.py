@@ -14,11 +14,13 @@ Sampling, both rules lossless (the emitted token is distributed exactly as the t
   children are tried in order, each by the rule of its own proposal (`q`, or a point mass), each against what is left
   of `p` after the rejections before it. This is multi-draft speculative sampling with independent proposals.
 
-`accept_argmax` (greedy) and `accept_sampling` (speculative sampling among deterministic candidates) verify every
-row's tree at once, as tensors whose shapes do not depend on what was accepted, so that the device is never waited
-on: the decoding loop reads one small tensor back per cycle. `node_scores` gives them the target's processed scores
-at every node in one logits-processor call, where the processors do not read the sequence (temperature, top-k,
-top-p, ...). Where they do (a repetition penalty, ...) or chains were sampled from the draft, `accept_walk` walks
+`accept_argmax` (greedy) and `accept_sampling` (speculative sampling, among deterministic candidates and along
+chains sampled from the draft) verify every row's tree at once, as tensors whose shapes do not depend on what was
+accepted, so that the device is never waited on: the decoding loop reads one small tensor back per cycle.
+`node_scores` gives them the target's processed scores at every node: in one logits-processor call where the
+processors do not read the sequence (temperature, top-k, top-p, ...), and where some do but score each row from its
+own sequence alone (a repetition penalty, minimum lengths), in one call per tree level over every node's sequence.
+Where a processor cannot (per-row state, no-repeat-ngram's host n-grams, an unknown processor), `accept_walk` walks
 each row's tree by a rule (`greedy_pick`, `sampling_pick`, over `processed_scores`), node by node.
 """
 
@@ -26,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from .tree import DraftTree
+from .tree import DraftTree, node_paths
 
 
 def greedy_paths(tree: DraftTree, target_choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +52,11 @@ def greedy_paths(tree: DraftTree, target_choices: torch.Tensor) -> tuple[torch.T
 
 
 def tree_path(tree: DraftTree, node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The path from the root to `node` (`[b]`) of each row: `[b]` its length in nodes and `[b, D + 1]` its node
-    indices, root first, the last repeated past the length (`D = tree.max_depth`): a fixed shape."""
-    on_path = tree.ancestors.gather(1, node[:, None, None].expand(-1, 1, tree.num_nodes))[:, 0]  # [b, N + 1]
-    # nodes are ordered by depth, so a path's nodes in index order are in root-to-node order
-    indices = torch.arange(tree.num_nodes, device=node.device)
-    ordered = torch.where(on_path, indices, tree.num_nodes).sort(-1).values[:, : tree.max_depth + 1]
+    """The path from the root to `node` (`[b]`) of each row: `[b]` its length in nodes and `[b, W]` its node
+    indices, root first, the last repeated past the length (`node_paths`: a fixed shape)."""
+    paths = node_paths(tree)
     lengths = tree.depths.gather(-1, node[:, None])[:, 0] + 1
-    return lengths, torch.where(ordered < tree.num_nodes, ordered, node[:, None])
+    return lengths, paths.gather(1, node[:, None, None].expand(-1, 1, paths.shape[-1]))[:, 0]
 
 
 def children(tree: DraftTree, node: int) -> torch.Tensor:
@@ -86,7 +86,7 @@ def accept_among_children(
         return int(accepted.int().argmax()), target_probs
     residual = target_probs.clone()
     residual[child_tokens] = 0.0
-    return -1, _normalise(residual, fallback=target_probs)
+    return -1, _normalised(residual, fallback=target_probs)
 
 
 def accept_sampled(
@@ -98,7 +98,7 @@ def accept_sampled(
     """
     if uniform * draft_probs[token] < target_probs[token]:
         return True, target_probs
-    return False, _normalise((target_probs - draft_probs).clamp_min(0.0), fallback=target_probs)
+    return False, _normalised((target_probs - draft_probs).clamp_min(0.0), fallback=target_probs)
 
 
 def accept_in_turn(
@@ -156,39 +156,81 @@ def accept_argmax(tree: DraftTree, scores: torch.Tensor, keep_scores: bool = Fal
     return _acceptance(lengths, path, target_choices.gather(-1, path), scores, keep_scores)
 
 
-def accept_sampling(tree: DraftTree, scores: torch.Tensor, keep_scores: bool = False) -> Acceptance:
-    """Speculative sampling down every row's tree of deterministic candidates (`accept_among_children` at each node),
-    decided for every node at once: node `x` is accepted, when tried, with probability `p'(x)` under its parent's
-    distribution `p` with `x`'s earlier siblings removed and renormalised; the path follows each node's first accepted
-    child; the bonus token is drawn from the last node's `p` without its children. The decisions of nodes off the
-    path are drawn and never used, so the path is distributed as the node-by-node walk's."""
+def accept_sampling(tree: DraftTree, scores: torch.Tensor, keep_scores: bool = False,
+                    proposals: torch.Tensor | None = None, sampled: torch.Tensor | None = None) -> Acceptance:
+    """Speculative sampling down every row's tree, decided for every node at once: the children of a node are tried
+    in order, the path follows each node's first accepted child, and the bonus token is drawn from what is left of
+    the last node's distribution after its children's rejections. The decisions of nodes off the path are drawn and
+    never used, so the path is distributed as the node-by-node walk's (`accept_in_turn`).
+
+    Deterministic candidates (`accept_among_children`): node `x` is accepted, when tried, with probability `p'(x)`
+    under its parent's distribution `p` with `x`'s earlier siblings removed and renormalised. Nodes of chains sampled
+    from the draft (`sampled` `[b, N + 1]`, each drawn from its row of `proposals` `[b, N + 1, V]`, over the target
+    vocabulary): the standard rule `min(1, p(x) / q(x))` (`accept_sampled`); a node has at most one such child, tried
+    before the deterministic ones (a context continuation's), which are then tried against `normalise(max(p - q, 0))`.
+    """
     probs = scores.float().softmax(-1)  # [b, N + 1, V]
-    batch, num_nodes, vocab = probs.shape
-    nodes = torch.arange(num_nodes, device=probs.device)
-    child_probs = probs.flatten(1).gather(1, tree.parents * vocab + tree.tokens)  # [b, N + 1]: p_parent(x)
-    siblings = (tree.parents[:, :, None] == tree.parents[:, None, :]) & (nodes[None, :, None] > nodes[None, None, :])
-    siblings[:, :, 0] = False  # the root is its own parent, nobody's sibling
-    rejected_before = (siblings * child_probs[:, None, :]).sum(-1)  # mass of the earlier siblings
-    accepted = torch.rand(batch, num_nodes, device=probs.device) * (1.0 - rejected_before) < child_probs
-    accepted[:, 0] = False
+    nodes = torch.arange(tree.num_nodes, device=probs.device)
     child_of = (tree.parents[:, None, :] == nodes[None, :, None]) & (nodes[None, None, :] > 0)  # [b, parent, node]
+    sampled = torch.zeros_like(tree.tokens, dtype=torch.bool) if sampled is None else sampled
+    left = probs if proposals is None else _after_sampled_child(probs, proposals, child_of & sampled[:, None, :])
+    accepted = _accepted(tree, probs, left, proposals, sampled)
     taken = child_of & accepted[:, None, :]
     first_child = torch.where(taken.any(-1), taken.int().argmax(-1), -1)  # [b, N + 1]
-    node = nodes.new_zeros(batch)
+    node = nodes.new_zeros(probs.shape[0])
     for _ in range(tree.max_depth):
         child = first_child.gather(1, node[:, None])[:, 0]
         node = torch.where(child >= 0, child, node)
     lengths, path = tree_path(tree, node)
-    last = probs.gather(1, node[:, None, None].expand(-1, 1, vocab))[:, 0]  # [b, V]
-    rejected_tokens = torch.zeros_like(last).scatter_add_(
-        1, tree.tokens, child_of.gather(1, node[:, None, None].expand(-1, 1, num_nodes))[:, 0].float()) > 0
-    residual = last.masked_fill(rejected_tokens, 0.0)
-    total = residual.sum(-1, keepdim=True)
-    # Zero mass left only through float rounding (the rejected candidates held all of p): keep p itself.
-    bonus = sample(torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), last))
+    last = left.gather(1, node[:, None, None].expand(-1, 1, probs.shape[-1]))[:, 0]  # [b, V]
+    last_children = (child_of & ~sampled[:, None, :]).gather(1, node[:, None, None].expand(-1, 1, tree.num_nodes))
+    rejected_tokens = torch.zeros_like(last).scatter_add_(1, tree.tokens, last_children[:, 0].float()) > 0
+    bonus = sample(_normalised(last.masked_fill(rejected_tokens, 0.0), fallback=last))
     tokens = torch.cat([tree.tokens.gather(1, path[:, 1:]), bonus[:, None]], dim=1)  # [b, D + 1]
     tokens = tokens.scatter(1, (lengths - 1)[:, None], bonus[:, None])  # the bonus right after each row's path
     return _acceptance(lengths, path, tokens, scores, keep_scores)
+
+
+def _after_sampled_child(probs: torch.Tensor, proposals: torch.Tensor, sampled_child: torch.Tensor) -> torch.Tensor:
+    """`[b, N + 1, V]` each node's distribution after its sampled child's rejection (`sampled_child`
+    `[b, parent, node]`, at most one per parent): `normalise(max(p - q, 0))`, or `p` where it has none."""
+    below = sampled_child.to(proposals.dtype) @ proposals  # [b, N + 1, V]: the child's q (one term: exact), or 0
+    return torch.where(sampled_child.any(-1)[..., None], _normalised((probs - below).clamp_min(0.0), probs), probs)
+
+
+def _accepted(tree: DraftTree, probs: torch.Tensor, left: torch.Tensor, proposals: torch.Tensor | None,
+              sampled: torch.Tensor) -> torch.Tensor:
+    """`[b, N + 1]` whether each node would be accepted when tried: a deterministic one against what its parent's
+    sampled child (`left`) and its earlier deterministic siblings left, a sampled one by `min(1, p(x) / q(x))`."""
+    batch, num_nodes, vocab = probs.shape
+    nodes = torch.arange(num_nodes, device=probs.device)
+    at_parent = tree.parents * vocab + tree.tokens
+    child_probs = left.flatten(1).gather(1, at_parent)  # [b, N + 1]: p'_parent(x)
+    siblings = (tree.parents[:, :, None] == tree.parents[:, None, :]) & (nodes[None, :, None] > nodes[None, None, :])
+    siblings = siblings & ~sampled[:, None, :]
+    siblings[:, :, 0] = False  # the root is its own parent, nobody's sibling
+    rejected_before = (siblings * child_probs[:, None, :]).sum(-1)  # mass of the earlier siblings
+    uniforms = torch.rand(batch, num_nodes, device=probs.device)
+    accepted = uniforms * (1.0 - rejected_before) < child_probs
+    if proposals is not None:
+        drawn = uniforms * proposals.gather(2, tree.tokens[..., None])[..., 0] < probs.flatten(1).gather(1, at_parent)
+        accepted = torch.where(sampled, drawn, accepted)
+    accepted[:, 0] = False
+    return accepted
+
+
+def proposals_over_target(draft_probs: torch.Tensor, draft_to_target: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draft's distributions `[..., V_d]` over the target vocabulary (`[..., V]`), entry `i` at
+    `draft_to_target[i]`."""
+    over_target = draft_probs.new_zeros(*draft_probs.shape[:-1], vocab)
+    return over_target.index_add_(-1, draft_to_target, draft_probs)
+
+
+def _normalised(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """`weights` `[..., V]` normalised; where no mass is left (only through float rounding: the rejected candidates
+    held all of it), `fallback`."""
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), fallback)
 
 
 def _acceptance(lengths: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
@@ -260,7 +302,7 @@ def sampling_pick(tree: DraftTree, draft_probs: torch.Tensor | None = None, samp
             )
         else:
             proposals = [
-                torch.zeros_like(probs).index_add_(0, draft_to_target, draft_probs[child].to(probs.dtype))
+                proposals_over_target(draft_probs[child].to(probs.dtype), draft_to_target, probs.shape[-1])
                 if sampled[child] else None
                 for child in child_nodes.tolist()
             ]
@@ -290,29 +332,91 @@ def processed_scores(logits_processor, sequence: torch.Tensor, tree: DraftTree, 
     return scores_after
 
 
-# Logits processors whose scores do not depend on the sequence (`input_ids`): one call scores every node of a cycle.
+# Logits processors whose scores do not depend on the sequence (`input_ids`).
 SEQUENCE_FREE_PROCESSORS = (
     "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
     "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "LogitNormalization",
     "SuppressTokensLogitsProcessor", "InfNanRemoveLogitsProcessor",
 )
+# Logits processors that read the sequence and score each row from that row's sequence and scores alone, keeping no
+# state across calls.
+ROW_WISE_PROCESSORS = (
+    "RepetitionPenaltyLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+)
 
 
-def reads_sequence(logits_processor) -> bool:
-    """Whether any of the processors may depend on the sequence (an unknown one may)."""
-    return any(type(processor).__name__ not in SEQUENCE_FREE_PROCESSORS
-               or type(processor).__module__ != "transformers.generation.logits_process"
-               for processor in logits_processor)
+def _one_of(processor, names: tuple[str, ...]) -> bool:
+    return type(processor).__name__ in names and type(processor).__module__ == "transformers.generation.logits_process"
 
 
-def node_scores(logits_processor, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
-    """The processed scores `[b, N + 1, V]` at every node from the raw `logits`, in one call of processors that do not
-    read the sequence (`reads_sequence` false)."""
+def reads_sequence(processor) -> bool:
+    """Whether a processor's scores may depend on the sequence (an unknown one's may)."""
+    return not _one_of(processor, SEQUENCE_FREE_PROCESSORS)
+
+
+def scores_every_node(logits_processor) -> bool:
+    """Whether `node_scores` can score every node at once: each processor reads no sequence, or scores a row from
+    that row alone. Not so for a processor with per-row state that `per_row` does not resolve (a prefix
+    constraint's batch index, a watermark's), one that reads the sequence on the host anyway (no-repeat-ngram's n-grams
+    are Python dictionaries: one read per sequence, so scoring every node would read more, not less), or an unknown
+    one: `accept_walk` walks those trees node by node."""
+    return all(not reads_sequence(processor) or (
+        _one_of(processor, ROW_WISE_PROCESSORS)
+        and not isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor))
+        for processor in logits_processor)
+
+
+def per_row(logits_processor, batch_size: int) -> list[LogitsProcessorList]:
+    """Each row's processors, with their per-row state resolved where it is known: a repetition penalty that ignores a
+    prompt length per row (`prompt_ignore_length` a `[B]` tensor: `generate` passes each row's left padding) becomes,
+    for row `i`, one that ignores its first `prompt_ignore_length[i]` tokens (read here, once a call)."""
+    ignored = {id(processor): processor.prompt_ignore_length.tolist() for processor in logits_processor
+               if _one_of(processor, ROW_WISE_PROCESSORS)
+               and isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor)}
+
+    def of_row(processor, row: int):
+        if id(processor) not in ignored:
+            return processor
+        return RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=ignored[id(processor)][row])
+
+    return [LogitsProcessorList([of_row(processor, row) for processor in logits_processor])
+            for row in range(batch_size)]
+
+
+def node_scores(row_processors: list, sequences: list[torch.Tensor], tree: DraftTree,
+                logits: torch.Tensor) -> torch.Tensor:
+    """The processed scores `[b, N + 1, V]` at every node from the raw `logits`, each as plain decoding computes it
+    after the node's sequence: its row's `sequences[i]` (`[L_i]`, the root last), then its path's tokens, through
+    its row's processors `row_processors[i]` (`per_row`).
+
+    The processors up to the last that reads the sequence run once per row and tree level, over all the row's nodes
+    with their sequences cut at the level's length, each node keeping its own level's scores (`along_paths`); those
+    after it run once over every node. Shapes are fixed by the tree: nothing is read back. Every processor must read
+    no sequence or score a row from that row alone (`scores_every_node`)."""
     batch, num_nodes, vocab = logits.shape
-    return logits_processor(tree.tokens.reshape(-1, 1), logits.reshape(-1, vocab).float()).view(batch, num_nodes, vocab)
+    readers = 1 + max((i for i, processor in enumerate(row_processors[0]) if reads_sequence(processor)), default=-1)
+    scores = logits.float()
+    if readers:
+        paths = node_paths(tree)[..., 1:]  # [b, N + 1, W - 1]: each node's drafted tokens, root excluded
+        path_tokens = tree.tokens.gather(1, paths.flatten(1)).view(paths.shape)
+        scores = torch.stack([
+            along_paths(LogitsProcessorList(processors[:readers]), sequence, path_tokens[row], tree.depths[row],
+                        scores[row])
+            for row, (processors, sequence) in enumerate(zip(row_processors, sequences))])
+    rest = LogitsProcessorList(row_processors[0][readers:])  # the same for every row: none has per-row state
+    return rest(tree.tokens.reshape(-1, 1), scores.reshape(-1, vocab)).view(batch, num_nodes, vocab)
 
 
-def _normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    total = weights.sum()
-    # Zero mass left only through float rounding (the rejected candidates held all of p): keep p itself.
-    return weights / total if total > 0 else fallback
+def along_paths(logits_processor, sequence: torch.Tensor, path_tokens: torch.Tensor, depths: torch.Tensor,
+                scores: torch.Tensor) -> torch.Tensor:
+    """One row's processed `scores` (`[n, V]`) at its nodes, each after `sequence` (`[L]`) and its path's tokens
+    (`path_tokens` `[n, W - 1]`, the first `depths` of them its own): one call per depth `d` over every node's
+    sequence cut at `L + d` tokens, of which the nodes at depth `d` keep theirs."""
+    num_nodes = scores.shape[0]
+    processed = scores
+    for depth in range(path_tokens.shape[-1] + 1):
+        node_sequences = torch.cat([sequence.expand(num_nodes, -1), path_tokens[:, :depth]], dim=-1)
+        at_depth = logits_processor(node_sequences, scores.clone())
+        processed = torch.where((depths == depth)[:, None], at_depth, processed)
+    return processed
