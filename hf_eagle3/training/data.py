@@ -40,6 +40,8 @@ from ..utils.fingerprint import file_digest, model_fingerprint, tokenizer_finger
 from .decode_attention import decode_attention
 
 SHAREGPT_ALIAS = "sharegpt"
+# the Hub dataset each input alias's file comes from, for model cards' `datasets:` metadata
+HUB_DATASETS = {SHAREGPT_ALIAS: "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 ROLE_ALIASES = {
     "system": "system",
     "human": "user",
