@@ -625,6 +625,7 @@ def _run(args: argparse.Namespace) -> None:
         args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
         args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest + TREE_ROOM,
     )
+    methods = _measurable(methods, draft)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
     output_dir = Path(args.output)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -642,6 +643,18 @@ def _run(args: argparse.Namespace) -> None:
     save_plots(result["summary"], output_dir, result["settings"])
     print(table)
     print(f"wrote {output_dir}/bench.json, bench.md, bench.png, records.jsonl")
+
+
+def _measurable(methods: list[Method], draft) -> list[Method]:
+    """`methods` without the `auto` ones when the draft records no acceptance profile (a converted public draft),
+    saying why: `generate` decodes such a draft with its fixed tree, which the `tree` method measures."""
+    auto = [method.name for method in methods if method.is_auto]
+    if draft.config.acceptance_profile or not auto:
+        return methods
+    print(f"Not measured: {', '.join(auto)}: the draft records no acceptance profile, which tree_shape='auto' chooses "
+          "from (generate decodes it with its fixed tree, as the `tree` method measures). Record one with "
+          "`hf-eagle3 tune-tree --target TARGET --draft DIR --save-to NEW_DIR`.")
+    return [method for method in methods if not method.is_auto]
 
 
 def register_cli(subparsers) -> None:
