@@ -3,9 +3,12 @@
 import argparse
 from pathlib import Path
 
+from ..utils.options import int_in
 from .checkpoint import YARN_MSCALE_READINGS, TargetInfo
 from .convert import EXPORT_FORMATS, FORMATS, convert
 from .files import read_json
+
+MAX_TARGET_LAYERS = 1024
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +28,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     target = parser.add_mutually_exclusive_group()
     target.add_argument(
         "--target-num-layers",
-        type=int,
+        type=int_in(1, MAX_TARGET_LAYERS),
         metavar="N",
         help="number of decoder layers of the target; needed when SRC does not record the tapped target layers",
     )

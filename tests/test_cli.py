@@ -82,6 +82,36 @@ def test_prepare_data_limit_says_what_it_does(capsys):
     assert "Keep the first N usable conversations, those left after every filter" in help_text
 
 
+def test_every_size_option_outside_train_has_a_range():
+    # `train` checks its settings itself (TrainConfig, also for the Python API), before any model loads
+    unbounded = [f"{command} {action.option_strings[0]}" for command in COMMANDS if command != "train"
+                 for action in subcommand(command)._actions if action.type in (int, float)]
+    assert not unbounded
+
+
+@pytest.mark.parametrize(("argv", "refusal"), [
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens: 0 is out of range: allowed 1 to 65,536"),
+    (["bench", "--tree-total-tokens", "100000"], "--tree-total-tokens: 100,000 is out of range: allowed 1 to 512"),
+    (["bench", "--verification-cost", "8", "-1"], "--verification-cost: -1 is out of range: allowed 1 to 512"),
+    (["bench-batches", "--batch-sizes", "1", "100000"], "--batch-sizes: 100,000 is out of range: allowed 1 to 1,024"),
+    (["bench-batches", "--fixed-tree", "6", "8", "9999"], "--fixed-tree: 9,999 is out of range: allowed 1 to 512"),
+    (["bench-attention", "--contexts", "1000000000"],
+     "--contexts: 1,000,000,000 is out of range: allowed 1 to 131,072"),
+    (["bench-train-step", "--lengths", "1048576"], "--lengths: 1,048,576 is out of range: allowed 1 to 131,072"),
+    (["tune-tree", "--max-depth", "1000"], "--max-depth: 1,000 is out of range: allowed 1 to 64"),
+    (["demo", "--repetitions", "0"], "--repetitions: 0 is out of range: allowed 1 to 1,000"),
+    (["prepare-data", "--input", "x", "--output", "y", "--batch-size", "1e9"], "--batch-size: '1e9' is not an integer"),
+    (["prepare-data", "--input", "x", "--output", "y", "--temperature", "-1"],
+     "--temperature: -1 is out of range: allowed 0 to 100"),
+    (["convert", "a", "b", "--target-num-layers", "0"], "--target-num-layers: 0 is out of range: allowed 1 to 1,024"),
+    (["tune-tree", "--threads", "100000"], "--threads: 100,000 is out of range: allowed 1 to 1,024"),
+])
+def test_an_absurd_size_is_refused_naming_the_option_and_the_range_before_anything_loads(argv, refusal, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and f"hf-eagle3 {argv[0]}: error: argument {refusal}" in capsys.readouterr().err
+
+
 @pytest.fixture
 def llama_folder(tmp_path):
     """A tiny Llama model with a tokenizer, saved as a user's local target folder."""

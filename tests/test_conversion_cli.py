@@ -15,9 +15,11 @@ from conversion_fixtures import (
     write_json,
 )
 from hf_eagle3.conversion import ConversionError, convert
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from hf_eagle3.commands import cli
+from hf_eagle3.resources.loading import SHIPPED_DRAFT
+from hf_eagle3.resources.smollm2 import SMOLLM2_NAME, smollm2_path
 
 
 @pytest.fixture
@@ -80,3 +82,18 @@ def test_cli_picks_the_yarn_reading_and_prints_the_notes(tmp_path, capsys, only_
 
     assert "note: YaRN mscale dropped (yarn_mscale='serving')" in capsys.readouterr().out
     assert "mscale" not in json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+
+
+@pytest.mark.slow  # reads the embedded SmolLM2 (its safetensors cache, built from the GGUF on first use)
+def test_convert_takes_smollm2_for_the_embedded_target_as_every_other_command_does(tmp_path, capsys):
+    cli.main(["convert", str(SHIPPED_DRAFT), str(tmp_path / "vllm"), "--to", "speculators",
+              "--target-embedding", "smollm2", "--target-config", "smollm2", "--target-name-or-path", "smollm2"])
+
+    assert "(sglang) -> " in capsys.readouterr().out
+    exported = load_file(tmp_path / "vllm" / "model.safetensors")
+    embedding = load_file(smollm2_path() / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(exported["embed_tokens.weight"], embedding.to(exported["embed_tokens.weight"].dtype))
+    assert SMOLLM2_NAME in (tmp_path / "vllm" / "config.json").read_text()
+    with pytest.raises(SystemExit):
+        cli.main(["convert", "--help"])
+    assert " ".join(capsys.readouterr().out.split()).count("or 'smollm2' for the embedded") == 3

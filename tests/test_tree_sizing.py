@@ -197,8 +197,9 @@ def test_tune_tree_save_to_an_existing_file_is_refused_naming_it_before_measurin
     assert notes.read_text() == "mine"
 
 
-def test_tune_tree_refuses_to_choose_a_shape_from_no_prompts(llama_target, fitted_draft):
-    with pytest.raises(SystemExit, match="--limit must be >= 1 .*got 0: a tree shape cannot be chosen from no prompts"):
+def test_tune_tree_refuses_to_choose_a_shape_from_no_prompts(llama_target, fitted_draft, capsys):
+    with pytest.raises(SystemExit):
         cli.main(["tune-tree", "--limit", "0"])
+    assert "argument --limit: 0 is out of range: allowed 1 to " in capsys.readouterr().err
     with pytest.raises(ValueError, match="No prompts to measure the acceptance profile on"):  # an empty prompt file
         tune_tree(llama_target, fitted_draft, [], top_ks=[1], max_depth=1, max_total=1, progress=False)

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 from transformers import CompileConfig
 
+from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description, verification_cost
 from ..decoding.cpu_layout import LAYOUTS, onednn_packs, optimize, standard_layout, weight_layout
 from ..decoding.stats import CYCLE_PARTS, Eagle3RowStats
@@ -52,6 +53,7 @@ from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
 from ..utils.extras import require
 from ..utils.fingerprint import draft_identity
+from ..utils.options import MAX_NEW_TOKENS, MAX_PROMPTS, MAX_REPETITIONS, float_in, int_in
 from ..utils.transformers_api import compile_on_every_device
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
@@ -625,6 +627,7 @@ def _run(args: argparse.Namespace) -> None:
         args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
         args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest + TREE_ROOM,
     )
+    methods = _measurable(methods, draft)
     sampling = {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else None
     output_dir = Path(args.output)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -644,6 +647,18 @@ def _run(args: argparse.Namespace) -> None:
     print(f"wrote {output_dir}/bench.json, bench.md, bench.png, records.jsonl")
 
 
+def _measurable(methods: list[Method], draft) -> list[Method]:
+    """`methods` without the `auto` ones when the draft records no acceptance profile (a converted public draft),
+    saying why: `generate` decodes such a draft with its fixed tree, which the `tree` method measures."""
+    auto = [method.name for method in methods if method.is_auto]
+    if draft.config.acceptance_profile or not auto:
+        return methods
+    print(f"Not measured: {', '.join(auto)}: the draft records no acceptance profile, which tree_shape='auto' chooses "
+          "from (generate decodes it with its fixed tree, as the `tree` method measures). Record one with "
+          "`hf-eagle3 tune-tree --target TARGET --draft DIR --save-to NEW_DIR`.")
+    return [method for method in methods if not method.is_auto]
+
+
 def register_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="Speedup and acceptance of EAGLE-3 vs plain and prompt lookup.",
@@ -661,16 +676,19 @@ def register_cli(subparsers) -> None:
                              "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "
                              "greedy outputs bit-identical to plain on CPU) or +compiled (verification through a "
                              "static cache and torch.compile, as `compiled` decodes)")
-    parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    parser.add_argument("--repetitions", type=int, default=3,
+    parser.add_argument("--limit", type=int_in(1, MAX_PROMPTS), help="prompts per set (default: all)")
+    parser.add_argument("--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=128,
+                        help="tokens generated per prompt")
+    parser.add_argument("--repetitions", type=int_in(1, MAX_REPETITIONS), default=3,
                         help="timed runs of every method on every prompt (interleaved; the median counts)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--tree-depth", type=int, help="depth of the `tree` and `chain` methods (default: the draft's)")
-    parser.add_argument("--tree-top-k", type=int, help="top-k of the `tree` method (default: the draft's)")
-    parser.add_argument("--tree-total-tokens", type=int,
+    parser.add_argument("--temperature", type=float_in(0, 100), default=0.0, help="0: greedy")
+    parser.add_argument("--tree-depth", type=int_in(1, MAX_TREE_DEPTH),
+                        help="depth of the `tree` and `chain` methods (default: the draft's)")
+    parser.add_argument("--tree-top-k", type=int_in(1, MAX_TREE_TOKENS),
+                        help="top-k of the `tree` method (default: the draft's)")
+    parser.add_argument("--tree-total-tokens", type=int_in(1, MAX_TREE_TOKENS),
                         help="drafted tokens of the `tree` method (default: the draft's)")
-    parser.add_argument("--verification-cost", type=int, nargs="+", metavar="N",
+    parser.add_argument("--verification-cost", type=int_in(1, MAX_TREE_TOKENS), nargs="+", metavar="N",
                         help="only measure the target's forward time over N tokens (e.g. 1 8 16 32 64), write "
                              "verification-cost.json / .md to --output, and exit")
     parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=False,

@@ -16,9 +16,11 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from ..configuration_eagle3 import MAX_TREE_TOKENS
 from ..decoding import grouped_attention
 from ..decoding.calibration import machine_description
 from ..decoding.tree import tree_attention_mask
+from ..utils.options import MAX_CONTEXT, MAX_REPETITIONS, MAX_THREADS, int_in
 
 LLAMA_3_1_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                     head_dim=128, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072)
@@ -102,13 +104,15 @@ def register_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench-attention", help="Verification attention after a long context, query heads folded or keys repeated.",
         description=__doc__)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192],
+    parser.add_argument("--contexts", type=int_in(1, MAX_CONTEXT), nargs="+", default=[2048, 8192],
                         help="cached tokens before the verified ones")
-    parser.add_argument("--tokens", type=int, default=16, help="tree nodes verified in one forward")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the Llama-3.1-8B-shaped target")
+    parser.add_argument("--tokens", type=int_in(1, MAX_TREE_TOKENS), default=16,
+                        help="tree nodes verified in one forward")
+    parser.add_argument("--layers", type=int_in(1, 32), default=2,
+                        help="decoder layers of the Llama-3.1-8B-shaped target")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="the target's dtypes, timed one after the other")
-    parser.add_argument("--repetitions", type=int, default=5,
+    parser.add_argument("--repetitions", type=int_in(1, MAX_REPETITIONS), default=5,
                         help="timed forwards of each way per context, interleaved (the median counts)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), help="torch threads (default: torch's own choice)")
     parser.set_defaults(run=_run)

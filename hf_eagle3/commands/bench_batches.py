@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..configuration_eagle3 import MAX_TREE_TOKENS
 from ..decoding.calibration import machine_description
 from ..resources.loading import add_model_arguments, load_models, prompt_texts
+from ..utils.options import MAX_BATCH, MAX_NEW_TOKENS, MAX_REPETITIONS, int_in
 
 PAD_AFTER_STOP = "tokens after a row's end (padding) are not counted"
 
@@ -129,12 +131,12 @@ def register_cli(subparsers) -> None:
                     "calibration predicts fastest at each batch size here) on left-padded chat prompts, and print "
                     "tokens per second, speedup, τ and how many rows match plain greedy decoding.")
     add_model_arguments(parser)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8],
+    parser.add_argument("--batch-sizes", type=int_in(1, MAX_BATCH), nargs="+", default=[1, 2, 4, 8],
                         help="batch sizes to time (each takes the first prompts of MT-bench and HumanEval in turn)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per row")
-    parser.add_argument("--repetitions", type=int, default=3,
+    parser.add_argument("--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=64, help="tokens generated per row")
+    parser.add_argument("--repetitions", type=int_in(1, MAX_REPETITIONS), default=3,
                         help="timed runs of each method per batch size, interleaved (the median counts)")
-    parser.add_argument("--fixed-tree", type=int, nargs=3, metavar=("DEPTH", "TOP_K", "TOKENS"),
+    parser.add_argument("--fixed-tree", type=int_in(1, MAX_TREE_TOKENS), nargs=3, metavar=("DEPTH", "TOP_K", "TOKENS"),
                         help="also time EAGLE-3 with this fixed tree at every batch size")
     parser.add_argument("--output", help="write the figures to this JSON file")
     parser.set_defaults(run=_run)

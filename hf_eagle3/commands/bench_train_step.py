@@ -23,7 +23,9 @@ from ..configuration_eagle3 import Eagle3Config
 from ..decoding.calibration import machine_description
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..training.losses import LOSSES
+from ..training.trainer import SIZE_BOUNDS
 from ..training.ttt import TrainingTimeTest, target_distribution
+from ..utils.options import MAX_CONTEXT, MAX_THREADS, float_in, int_in
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 128256, 32000, 4096
 LLAMA_3_1_8B_DRAFT = dict(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, hidden_size=HIDDEN, intermediate_size=14336,
@@ -104,14 +106,16 @@ def register_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench-train-step", help="Peak memory and tokens/s of one training step of a Llama-3.1-8B-shaped draft.",
         description=__doc__)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="tokens per training sequence")
-    parser.add_argument("--ttt-steps", type=int, default=7, help="training-time-test steps")
+    parser.add_argument("--lengths", type=int_in(1, MAX_CONTEXT), nargs="+", default=[2048, 4096],
+                        help="tokens per training sequence")
+    parser.add_argument("--ttt-steps", type=int_in(1, SIZE_BOUNDS["ttt_steps"]), default=7,
+                        help="training-time-test steps")
     parser.add_argument("--loss", default="kl", choices=LOSSES, help="the step loss")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="float32, or bf16 autocast as `hf-eagle3 train --bf16` runs it")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--cap-gib", type=float, default=18.0,
+    parser.add_argument("--cap-gib", type=float_in(1, 1 << 20), default=18.0,
                         help="address-space cap of each step's process on CPU (GiB), so that running out fails "
                              "cleanly")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), help="torch threads (default: torch's own choice)")
     parser.set_defaults(run=_run)

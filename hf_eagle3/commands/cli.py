@@ -17,7 +17,7 @@ COMMAND_MODULES = [
     "hf_eagle3.commands.bench_attention",
     "hf_eagle3.commands.bench_train_step",
     "hf_eagle3.commands.tune_tree",
-    "hf_eagle3.conversion.cli",
+    "hf_eagle3.commands.convert",
     "hf_eagle3.publishing.hub",
     "hf_eagle3.training.data",
     "hf_eagle3.training.code_tasks",

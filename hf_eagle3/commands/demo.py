@@ -36,6 +36,7 @@ from ..decoding.cpu_layout import optimize, weight_layout
 from ..decoding.stats import CYCLE_PARTS
 from ..resources.loading import DTYPES, load_draft, load_target
 from ..resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns, spread
+from ..utils.options import MAX_NEW_TOKENS, MAX_PROMPTS, MAX_REPETITIONS, MAX_THREADS, int_in
 from .bench import NEAR_TIE_LOGITS, Call, first_divergence, prediction_entry
 
 DEMO_PROMPTS_PER_SET = 8
@@ -301,14 +302,16 @@ def register_cli(subparsers) -> None:
                                    description=__doc__)
     parser.add_argument("--prompt", action="append",
                         help="a user message (repeatable; default: MT-bench and HumanEval prompts, spread over each)")
-    parser.add_argument("--prompts-per-set", type=int, default=DEMO_PROMPTS_PER_SET,
+    parser.add_argument("--prompts-per-set", type=int_in(1, MAX_PROMPTS), default=DEMO_PROMPTS_PER_SET,
                         help="MT-bench and HumanEval prompts each, spread over the set, without --prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=64,
+                        help="tokens generated per prompt")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="auto: the dtype EAGLE-3 is predicted fastest in on this machine, measured")
-    parser.add_argument("--repetitions", type=int, default=2,
+    parser.add_argument("--repetitions", type=int_in(1, MAX_REPETITIONS), default=2,
                         help="timed runs of each decoding per prompt, interleaved (the median counts)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), default=None,
+                        help="torch threads (default: torch's choice)")
     parser.add_argument("--exact-attention", action="store_true",
                         help="verify with exact_attention=True (bf16 output identical to plain decoding, slower)")
     parser.add_argument("--cpu-layout", action=argparse.BooleanOptionalAction, default=True,

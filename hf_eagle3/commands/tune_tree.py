@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..decoding.calibration import (
     MIN_PREDICTED_SPEEDUP,
     MachineCosts,
@@ -46,6 +47,7 @@ from ..training.profile import (
     acceptance_profile,
 )
 from ..utils.extras import require
+from ..utils.options import MAX_BATCH, MAX_CONTEXT, MAX_NEW_TOKENS, MAX_PROMPTS, int_in
 from .bench import compiled_kwargs
 
 
@@ -108,9 +110,6 @@ def recalibrate(target, draft: Eagle3DraftModel, batch_size: int = 1, compile_co
 def _run(args: argparse.Namespace) -> None:
     if not (args.show_calibration or args.recalibrate):  # those read or measure costs, no prompt set
         require("`hf-eagle3 tune-tree`", prompt_set_packages(args.prompts))
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1 (prompts per set), got {args.limit}: a tree shape cannot be chosen "
-                         "from no prompts.")
     if args.save_to:
         _check_save_to(args.save_to)  # before minutes of measuring
     if args.compiled and args.static_cache_length is None:
@@ -194,13 +193,14 @@ def register_cli(subparsers) -> None:
     add_model_arguments(parser)
     parser.add_argument("--prompts", nargs="+", default=["calibration"],
                         help="prompt sets (see bench); 'calibration' is none of the benchmark's first prompts")
-    parser.add_argument("--limit", type=int, help="prompts per set (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=PROFILE_NEW_TOKENS,
+    parser.add_argument("--limit", type=int_in(1, MAX_PROMPTS), help="prompts per set (default: all)")
+    parser.add_argument("--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=PROFILE_NEW_TOKENS,
                         help="tokens generated per prompt for the acceptance profile")
-    parser.add_argument("--top-k", type=int, nargs="+", default=list(PROFILE_TOP_KS),
+    parser.add_argument("--top-k", type=int_in(1, MAX_TREE_TOKENS), nargs="+", default=list(PROFILE_TOP_KS),
                         help="top-k values to try (1: chains)")
-    parser.add_argument("--max-depth", type=int, default=PROFILE_MAX_DEPTH, help="deepest tree to try")
-    parser.add_argument("--max-total", type=int, default=PROFILE_MAX_TOTAL,
+    parser.add_argument("--max-depth", type=int_in(1, MAX_TREE_DEPTH), default=PROFILE_MAX_DEPTH,
+                        help="deepest tree to try")
+    parser.add_argument("--max-total", type=int_in(1, MAX_TREE_TOKENS), default=PROFILE_MAX_TOTAL,
                         help="largest number of drafted tokens to try")
     parser.add_argument("--ngram-candidates", action=argparse.BooleanOptionalAction, default=None,
                         help="profile trees with context n-gram continuations or without (`ngram_candidates`; default: "
@@ -210,10 +210,11 @@ def register_cli(subparsers) -> None:
     parser.add_argument("--recalibrate", action="store_true",
                         help="measure this machine's costs again for the draft's acceptance profile, replace the "
                              "cached record, print it, and exit (no profiling)")
-    parser.add_argument("--batch-size", type=int, default=1, help="batch size of --show-calibration / --recalibrate")
+    parser.add_argument("--batch-size", type=int_in(1, MAX_BATCH), default=1,
+                        help="batch size of --show-calibration / --recalibrate")
     parser.add_argument("--compiled", action="store_true",
                         help="--show-calibration / --recalibrate for the compiled path (bench's `+compiled`)")
-    parser.add_argument("--static-cache-length", type=int,
+    parser.add_argument("--static-cache-length", type=int_in(1, MAX_CONTEXT),
                         help="--show-calibration / --recalibrate for calls decoding into a static cache of this many "
                              f"entries (needed with --compiled; a call's is max_length plus its largest tree, rounded "
                              f"up to a multiple of {STATIC_CACHE_BLOCK}, or the StaticCache it passes)")

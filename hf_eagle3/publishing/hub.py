@@ -36,6 +36,7 @@ from ..conversion.fields import dtype_name
 from ..conversion.files import WEIGHT_FILES, config_text, read_json
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.smollm2 import SMOLLM2_LICENSE, SMOLLM2_NAME, smollm2_dir
+from ..training.data import HUB_DATASETS
 from ..utils.fingerprint import draft_identity
 from .results import Results, load_results
 
@@ -77,9 +78,10 @@ def draft_model_card(
     `base_model` defaults to the Hub id of the target the config records ([`target_hub_id`]); a target known only
     as a local folder is described by its shape, never by its path. `license` defaults to the target's, when its
     card is at hand (in its folder or the Hub cache); `tags` are added to the card's own; `training` is what
-    [`training_details`] read from the run that trained the draft.
+    [`training_details`] read from the run that trained the draft; `datasets` defaults to the Hub datasets it names.
     """
     config = checkpoint.config
+    datasets = datasets or (training or {}).get("datasets")
     base_model = base_model or target_hub_id(config.target_name_or_path)
     if base_model is None and config.target_name_or_path is None:
         raise ValueError(
@@ -129,14 +131,20 @@ def training_details(folder: str | Path) -> dict[str, Any] | None:
     evaluations = [entry["eval"] for entry in history if "eval" in entry]
     manifest = Path(config.get("data", "")) / "manifest.json"
     data = read_json(manifest) if manifest.is_file() else None
-    regenerated_by = ((data or {}).get("settings") or {}).get("regenerated_by")
+    settings = (data or {}).get("settings") or {}
+    inputs = settings.get("inputs") or []
     return {
         "config": config,
         "steps": max((entry["step"] for entry in history), default=None),
         "eval": evaluations[-1] if evaluations else None,
         "data": data,
-        # the model that wrote the answers, by Hub id, never by a local path
-        "regenerated_by": (target_hub_id(regenerated_by) or "the target") if regenerated_by else None,
+        # what was trained on, the model that wrote the answers and the draft started from: by Hub id or file name,
+        # never by a local path
+        "inputs": [HUB_DATASETS.get(source) or _public_name(source) for source in inputs],
+        "datasets": [HUB_DATASETS[source] for source in inputs if source in HUB_DATASETS],
+        "regenerated_by": (target_hub_id(settings["regenerated_by"]) or "the target")
+        if settings.get("regenerated_by") else None,
+        "init_draft": _public_name(config["init_draft"]) if config.get("init_draft") else None,
     }
 
 
@@ -421,6 +429,11 @@ def target_hub_id(name_or_path: str | None) -> str | None:
         return recorded if isinstance(recorded, str) and not Path(recorded).exists() and _is_repo_id(recorded) \
             else None
     return name_or_path if _is_repo_id(name_or_path) else None
+
+
+def _public_name(name: str) -> str:
+    """`name` as a card may show it: a Hub id (or 'shipped') as it is, a local file or folder by its own name."""
+    return name if _is_repo_id(name) and not Path(name).exists() else Path(name).name
 
 
 def _is_repo_id(name: str) -> bool:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..conversion import UnknownFormatError
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..utils.options import MAX_THREADS, int_in
 from ..utils.transformers_api import keys_not_saved
 from .prompts import calibration_prompt_sets, calibration_prompts, chat_input_ids, humaneval_prompts, mt_bench_questions
 
@@ -161,7 +162,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, dtype_default: str = "f
                         help="bfloat16 is fast only on CPUs with bf16 units (AMX, avx512_bf16) and on GPUs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="device the models run on")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), help="torch CPU threads (default: torch's choice)")
 
 
 def load_models(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Eagle3DraftModel]:

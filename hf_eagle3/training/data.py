@@ -37,9 +37,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..resources.loading import load_target
 from ..utils.fingerprint import file_digest, model_fingerprint, tokenizer_fingerprint
+from ..utils.options import MAX_BATCH, MAX_CONTEXT, MAX_NEW_TOKENS, MAX_PROMPTS, MAX_THREADS, float_in, int_in
 from .decode_attention import decode_attention
 
 SHAREGPT_ALIAS = "sharegpt"
+# the Hub dataset each input alias's file comes from, for model cards' `datasets:` metadata
+HUB_DATASETS = {SHAREGPT_ALIAS: "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 ROLE_ALIASES = {
     "system": "system",
     "human": "user",
@@ -766,24 +769,30 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--target", default="smollm2", help="The target whose tokenizer (and, with --regenerate, "
                         "answers) the data is for: a path, a Hub id, or 'smollm2' for the embedded target; recorded "
                         "in manifest.json, and `hf-eagle3 train` trains for it.")
-    parser.add_argument("--max-length", type=int, default=1024, help="Cap on tokens per conversation.")
-    parser.add_argument("--limit", type=int, help="Keep the first N usable conversations, those left after every "
+    parser.add_argument("--max-length", type=int_in(3, MAX_CONTEXT), default=1024,
+                        help="Cap on tokens per conversation.")
+    parser.add_argument("--limit", type=int_in(1, MAX_PROMPTS),
+                        help="Keep the first N usable conversations, those left after every "
                         "filter (readable, prompt within --max-prompt-length when regenerating, an answer token within "
                         "--max-length); fewer only when the inputs run out (default: all).")
     parser.add_argument("--records", type=_record_range, metavar="START:STOP", help="Read only the records at "
                         "positions START to STOP-1 of each input file (0-based, unusable records counted; either end "
                         "may be left out), e.g. ':16671' to hold out the rest for evaluation (default: all).")
-    parser.add_argument("--shard-size", type=int, default=256, help="Conversations per shard.")
+    parser.add_argument("--shard-size", type=int_in(1, MAX_PROMPTS), default=256, help="Conversations per shard.")
     parser.add_argument("--regenerate", action="store_true", help="Replace the answers by the target's own.")
-    parser.add_argument("--max-turns", type=int, default=1, help="User turns answered per conversation (regenerate).")
-    parser.add_argument("--max-prompt-length", type=int, default=512, help="Skip longer prompts (regenerate).")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="Longest regenerated answer.")
-    parser.add_argument("--batch-size", type=int, default=32, help="Prompts per generation batch.")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling temperature.")
+    parser.add_argument("--max-turns", type=int_in(1, 1000), default=1,
+                        help="User turns answered per conversation (regenerate).")
+    parser.add_argument("--max-prompt-length", type=int_in(1, MAX_CONTEXT), default=512,
+                        help="Skip longer prompts (regenerate).")
+    parser.add_argument("--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=256,
+                        help="Longest regenerated answer.")
+    parser.add_argument("--batch-size", type=int_in(1, MAX_BATCH), default=32, help="Prompts per generation batch.")
+    parser.add_argument("--temperature", type=float_in(0, 100), default=0.0,
+                        help="0: greedy; else sampling temperature.")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="Target dtype.")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="Device the target runs on.")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice).")
+    parser.add_argument("--threads", type=int_in(1, MAX_THREADS), help="torch CPU threads (default: torch's choice).")
     parser.set_defaults(run=_run_cli)
 
 
