@@ -19,7 +19,8 @@ chains sampled from the draft) verify every row's tree at once, as tensors whose
 accepted, so that the device is never waited on: the decoding loop reads one small tensor back per cycle.
 `node_scores` gives them the target's processed scores at every node: in one logits-processor call where the
 processors do not read the sequence (temperature, top-k, top-p, ...), and where some do but score each row from its
-own sequence alone (a repetition penalty, minimum lengths), in one call per tree level over every node's sequence.
+own sequence alone, in one call per row over every node's sequence (a repetition penalty) or one per row and tree
+level (minimum lengths).
 Where a processor cannot (per-row state, no-repeat-ngram's host n-grams, an unknown processor), `accept_walk` walks
 each row's tree by a rule (`greedy_pick`, `sampling_pick`, over `processed_scores`), node by node.
 """
@@ -344,6 +345,9 @@ ROW_WISE_PROCESSORS = (
     "RepetitionPenaltyLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
     "ForcedEOSTokenLogitsProcessor",
 )
+# Of those, the ones that read a sequence only as the set of its tokens (past an ignored prompt): a sequence with some
+# of its own tokens appended scores the same.
+TOKEN_SET_PROCESSORS = ("RepetitionPenaltyLogitsProcessor",)
 
 
 def _one_of(processor, names: tuple[str, ...]) -> bool:
@@ -390,9 +394,9 @@ def node_scores(row_processors: list, sequences: list[torch.Tensor], tree: Draft
     after the node's sequence: its row's `sequences[i]` (`[L_i]`, the root last), then its path's tokens, through
     its row's processors `row_processors[i]` (`per_row`).
 
-    The processors up to the last that reads the sequence run once per row and tree level, over all the row's nodes
-    with their sequences cut at the level's length, each node keeping its own level's scores (`along_paths`); those
-    after it run once over every node. Shapes are fixed by the tree: nothing is read back. Every processor must read
+    The processors up to the last that reads the sequence run once per row (a repetition penalty) or once per row and
+    tree level (length-reading ones), over all the row's nodes (`along_paths`); those after it run once over every
+    node. Shapes are fixed by the tree: nothing is read back. Every processor must read
     no sequence or score a row from that row alone (`scores_every_node`)."""
     batch, num_nodes, vocab = logits.shape
     readers = 1 + max((i for i, processor in enumerate(row_processors[0]) if reads_sequence(processor)), default=-1)
@@ -411,9 +415,13 @@ def node_scores(row_processors: list, sequences: list[torch.Tensor], tree: Draft
 def along_paths(logits_processor, sequence: torch.Tensor, path_tokens: torch.Tensor, depths: torch.Tensor,
                 scores: torch.Tensor) -> torch.Tensor:
     """One row's processed `scores` (`[n, V]`) at its nodes, each after `sequence` (`[L]`) and its path's tokens
-    (`path_tokens` `[n, W - 1]`, the first `depths` of them its own): one call per depth `d` over every node's
-    sequence cut at `L + d` tokens, of which the nodes at depth `d` keep theirs."""
+    (`path_tokens` `[n, W - 1]`, the first `depths` of them its own, then the node's own token repeated). Processors
+    that read the sequence as a set of tokens (`TOKEN_SET_PROCESSORS`) score every node in one call over its whole
+    padded path, which holds the same tokens; the others in one call per depth `d` over every node's sequence cut at
+    `L + d` tokens, of which the nodes at depth `d` keep theirs."""
     num_nodes = scores.shape[0]
+    if all(not reads_sequence(processor) or _one_of(processor, TOKEN_SET_PROCESSORS) for processor in logits_processor):
+        return logits_processor(torch.cat([sequence.expand(num_nodes, -1), path_tokens], dim=-1), scores.clone())
     processed = scores
     for depth in range(path_tokens.shape[-1] + 1):
         node_sequences = torch.cat([sequence.expand(num_nodes, -1), path_tokens[:, :depth]], dim=-1)
