@@ -19,10 +19,10 @@ from transformers import get_cosine_schedule_with_warmup
 from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.commands import cli
 from hf_eagle3.training import trainer as trainer_module
-from hf_eagle3.training.data import Example
+from hf_eagle3.training.data import Example, load_dataset
+from hf_eagle3.training.features import TargetFeatures, batched_target_forward, length_batches, target_forward
 from hf_eagle3.training.profile import PROFILE_MAX_DEPTH, PROFILE_TOP_KS
 from hf_eagle3.training.trainer import (
-    TargetFeatures,
     TrainConfig,
     acceptance_summary,
     collate,
@@ -264,12 +264,61 @@ def test_precomputed_features_match_online_ones(dataset, target, tmp_path):
     batch = collate(examples, [0, 1], pad_token_id=0)
     online = TargetFeatures(target, [2, 4, 5])(batch, "train")
     stored = TargetFeatures(target, [2, 4, 5], tmp_path)
-    stored.precompute(examples, "train", progress=False)
+    stored.precompute(examples, "train", batch_tokens=64, progress=False)
     from_disk = stored(batch, "train")
     for got, expected in zip(from_disk, online):
         real = batch["loss_mask"].new_ones(batch["loss_mask"].shape).bool()
         real[1, 3:] = False  # padding rows are zero on disk, anything online
         assert torch.allclose(got[real], expected[real], rtol=2e-2, atol=2e-2)
+
+
+def test_batched_target_features_equal_one_conversation_at_a_time_in_float32(target):
+    torch.manual_seed(0)
+    sequences = [torch.randint(1, VOCAB, (length,)).tolist() for length in (30, 13, 9, 5, 3)]
+    batched = batched_target_forward(target, sequences, [2, 4, 5])
+    for sequence, (features, final_hidden) in zip(sequences, batched):
+        alone_features, alone_final_hidden = target_forward(target, torch.tensor([sequence]), [2, 4, 5])
+        assert features.dtype == torch.float32 and features.shape[0] == len(sequence)
+        assert torch.equal(features, alone_features[0]) and torch.equal(final_hidden, alone_final_hidden[0])
+
+
+def test_length_batches_sort_by_length_and_keep_to_the_token_budget():
+    lengths = [5, 30, 9, 13, 3, 9, 40]
+    batches = length_batches(lengths, batch_tokens=30)
+    assert batches == [[6], [1], [3, 2], [5, 0, 4]]  # 40 > 30 goes alone; 2 x 13 <= 30; 3 x 9 <= 30
+    assert sorted(sum(batches, [])) == list(range(len(lengths)))
+
+
+def test_precomputed_files_are_the_same_whatever_the_number_of_processes(dataset, target, tmp_path):
+    examples = load_dataset(dataset)[:20]
+    features = TargetFeatures(target, [2, 4, 5], tmp_path / "one")
+    features.precompute(examples, "train", batch_tokens=96, progress=False)
+    one = features.split_dirs["train"]
+    shares = []
+    for rank in range(3):  # three processes' shares, each written into its own directory to see what it wrote
+        share = TargetFeatures(target, [2, 4, 5], tmp_path / f"rank-{rank}")
+        share.precompute(examples, "train", batch_tokens=96, rank=rank, world_size=3, progress=False)
+        shares.append({path.name: load_file(str(path)) for path in share.split_dirs["train"].iterdir()})
+        assert share.split_dirs["train"].name == one.name and shares[-1]
+    names = [name for share in shares for name in share]
+    assert sorted(names) == sorted(path.name for path in one.iterdir()) == [f"{i:07d}.safetensors" for i in range(20)]
+    for share in shares:  # disjoint shares, each file equal to the one a single process writes
+        for name, tensors in share.items():
+            alone = load_file(str(one / name))
+            assert all(torch.equal(tensors[key], alone[key]) for key in ("features", "final_hidden")), name
+
+
+def test_a_failed_feature_write_stops_precompute_naming_the_file_and_keeps_the_others(dataset, target, tmp_path):
+    examples = load_dataset(dataset)[:6]
+    features = TargetFeatures(target, [2, 4, 5], tmp_path)
+    features.precompute(examples, "train", batch_tokens=64, progress=False)
+    directory = features.split_dirs["train"]
+    (directory / "0000003.safetensors").unlink()
+    (directory / "0000003.safetensors.partial").mkdir()  # where the writer puts the file before renaming it
+    with pytest.raises(OSError, match=r"Writing the precomputed features .*0000003.safetensors failed .*free space"):
+        features.precompute(examples, "train", batch_tokens=64, progress=False)
+    for index in (0, 1, 2, 4, 5):
+        assert load_file(str(directory / f"{index:07d}.safetensors"))["features"].shape[0] == 32
 
 
 def test_epoch_batches_are_deterministic_and_cover_every_example_once():
@@ -395,9 +444,9 @@ def test_precomputed_features_of_another_target_are_never_read(dataset, target, 
     examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1])]
     batch = collate(examples, [0], pad_token_id=0)
     other = tiny_target("llama", seed=1)  # same hidden size, other weights
-    TargetFeatures(target, [2, 4, 5], tmp_path).precompute(examples, "train", progress=False)
+    TargetFeatures(target, [2, 4, 5], tmp_path).precompute(examples, "train", batch_tokens=64, progress=False)
     shared = TargetFeatures(other, [2, 4, 5], tmp_path)
-    shared.precompute(examples, "train", progress=False)
+    shared.precompute(examples, "train", batch_tokens=64, progress=False)
     online = TargetFeatures(other, [2, 4, 5])(batch, "train")
     for got, expected in zip(shared(batch, "train"), online):
         assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2)
@@ -520,7 +569,7 @@ save_file(tensors, f"{sys.argv[1]}/rank-{state.process_index}.safetensors",
 """
 LAUNCH_SETTINGS = dict(draft_vocab_size=64, intermediate_size=64, ttt_steps=2, learning_rate=3e-3, warmup_steps=2,
                        save_every=2, eval_every=2, log_every=1, eval_fraction=0.02, seed=1, threads=1,
-                       profile_prompts=0)
+                       profile_prompts=0, precompute_batch_tokens=256)  # 8 conversations a batch: 6 batches to share
 
 
 def accelerate_launch(launch_args, command, tmp_path, env=None):
@@ -541,7 +590,7 @@ def train_argv(target_dir, data, output_dir, **settings):
 @pytest.fixture(scope="module")
 def two_cpu_processes(dataset, target, tmp_path_factory):
     """A 4-step run in 2 CPU processes (gloo), 2 conversations per process and step; 1 held-out conversation, so
-    process 1 has no held-out batch. Target features are precomputed (by one process, read by both)."""
+    process 1 has no held-out batch. Target features are precomputed (each process its share, read by both)."""
     root = tmp_path_factory.mktemp("two-processes")
     target.save_pretrained(root / "target")
     (root / "train_and_dump.py").write_text(TRAIN_AND_DUMP_WEIGHTS)
@@ -582,6 +631,10 @@ def test_two_cpu_processes_with_fewer_held_out_batches_than_processes_train_as_o
     expected_weights = draft_weights(single)
     for name, tensor in ranks[0][1].items():
         assert torch.allclose(tensor, expected_weights[name], atol=1e-5), name
+    # the two processes' shares of the features make the files one process writes, file for file
+    shared, alone = sorted((root / "features").glob("*/*")), sorted((tmp_path / "features").glob("*/*"))
+    assert [path.relative_to(root) for path in shared] == [path.relative_to(tmp_path) for path in alone]
+    assert all(path.read_bytes() == other.read_bytes() for path, other in zip(shared, alone))
 
 
 def test_a_run_resumed_under_accelerate_extends_max_steps_on_the_longer_schedule(two_cpu_processes, dataset, target,

@@ -7,7 +7,8 @@ One optimizer step:
     ->  AdamW (0.9, 0.95), clip 0.5
 
 Target features are computed online by default; `--precompute-features DIR` writes them to disk once (features and
-the target's final hidden state, bf16) and reads them back on every epoch.
+the target's final hidden state, bf16), each process its share, batched by length (`hf_eagle3.training.features`),
+and reads them back on every epoch.
 
 Runs on CPU or CUDA, in one process or data-parallel under `accelerate launch` (each process reads its own share of
 every round of batches, so N processes with `--batch-size B` train exactly as one process with `--batch-size B
@@ -61,8 +62,9 @@ from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import load_target_model, save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
 from ..utils.extras import require
-from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
+from ..utils.fingerprint import weights_fingerprint
 from .data import MANIFEST, Example, dataset_digests, load_dataset
+from .features import TargetFeatures
 from .losses import LOSSES
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest, target_distribution
@@ -80,7 +82,7 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")
 # rate), bookkeeping, held-out evaluation and the final draft's packaging. None changes what a training step computes.
 RESUMABLE_CHANGES = (
     "output_dir", "max_steps", "epochs", "log_every", "eval_every", "eval_batches", "eval_ttt_steps", "save_every",
-    "keep_checkpoints", "threads", "save_dtype", "profile_prompts",
+    "keep_checkpoints", "threads", "save_dtype", "profile_prompts", "precompute_batch_tokens",
 )
 # Why every other setting is fixed for the life of a run: changed midway, the run would be neither the old one nor a
 # new one (a test checks that every setting is in one of the two).
@@ -105,7 +107,7 @@ MIN_SUPERVISED_SHARE = 0.01
 # (the largest targets' MLPs are ~50k wide, their vocabularies ~256k), short of sizes that exhaust memory at start.
 SIZE_BOUNDS = {"draft_layers": 64, "intermediate_size": 1 << 18, "draft_vocab_size": 1 << 20, "ttt_steps": 64,
                "eval_ttt_steps": 64, "max_length": 1 << 20, "batch_size": 1 << 12,
-               "gradient_accumulation_steps": 1 << 12, "threads": 1 << 10}
+               "gradient_accumulation_steps": 1 << 12, "threads": 1 << 10, "precompute_batch_tokens": 1 << 24}
 
 
 def _setting(default, help: str):
@@ -174,6 +176,8 @@ class TrainConfig:
                                                   "rows, mapped into the draft's output space)")
     precompute_features: str | None = _setting(None, "directory for the target's features, computed once (bf16) "
                                                      "and read back every epoch; default: computed online")
+    precompute_batch_tokens: int = _setting(8192, "padded tokens per target forward when precomputing features "
+                                                  "(conversations batched by length; a longer one goes alone)")
     threads: int | None = _setting(None, "torch CPU threads per process; default: torch's choice")
     save_dtype: str = _setting("float32", f"dtype of the final draft in OUTPUT_DIR/draft ({', '.join(SAVE_DTYPES)}; "
                                           "e.g. bfloat16 to ship it)")
@@ -183,7 +187,8 @@ class TrainConfig:
     def __post_init__(self):
         """Refuse settings that would silently ruin a run, naming the valid range."""
         at_least_one = ("draft_vocab_size", "draft_layers", "ttt_steps", "eval_ttt_steps", "batch_size",
-                        "gradient_accumulation_steps", "save_every", "keep_checkpoints", "eval_every", "log_every")
+                        "gradient_accumulation_steps", "save_every", "keep_checkpoints", "eval_every", "log_every",
+                        "precompute_batch_tokens")
         problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                     for name in at_least_one if getattr(self, name) < 1]
         optional_at_least_one = ("max_steps", "threads", "intermediate_size")
@@ -259,71 +264,6 @@ def collate(examples: list[Example], indices: list[int], pad_token_id: int) -> d
         loss_mask[row, : len(example.loss_mask)] = torch.tensor(example.loss_mask)
     num_tokens = torch.tensor(sum(len(examples[i].input_ids) for i in indices))
     return {"input_ids": input_ids, "loss_mask": loss_mask, "indices": torch.tensor(indices), "num_tokens": num_tokens}
-
-
-# ------------------------------------------------------------------------------------------------ target features
-
-
-@torch.no_grad()
-def target_forward(target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int]):
-    """(features `[B, T, 3 k_t]` at `layer_ids` of `outputs.hidden_states`, final hidden state `[B, T, k_t]`). Only
-    the hidden states at `layer_ids` are kept."""
-    outputs = target.model(input_ids=input_ids, output_hidden_states=layer_ids, use_cache=False)
-    features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
-    return features, outputs.last_hidden_state
-
-
-class TargetFeatures:
-    """The target's features and logits for a batch: computed online, or read from precomputed files.
-
-    Right padding needs no attention mask: the target is causal, so padding never changes a real position.
-    """
-
-    def __init__(self, target: PreTrainedModel, layer_ids: list[int], precomputed_dir: str | Path | None = None):
-        self.target = target
-        self.layer_ids = layer_ids
-        self.precomputed_dir = None if precomputed_dir is None else Path(precomputed_dir)
-        self.split_dirs: dict[str, Path] = {}
-
-    def precompute(self, examples: list[Example], split: str, progress: bool = True) -> None:
-        """Write every example's features to `precomputed_dir/SPLIT-FINGERPRINT/NNNNNNN.safetensors`, skipping those
-        already there. The fingerprint covers the target (config and weights), the tapped layers and the examples'
-        tokens, so features made by another target or for other data are never read back."""
-        from tqdm.auto import tqdm
-
-        fingerprint = digest([model_fingerprint(self.target), self.layer_ids,
-                              digest([example.input_ids for example in examples])])
-        directory = self.precomputed_dir / f"{split}-{fingerprint}"
-        self.split_dirs[split] = directory
-        directory.mkdir(parents=True, exist_ok=True)
-        device = self.target.device
-        for index in tqdm(range(len(examples)), desc=f"precomputing {split} features", disable=not progress):
-            path = directory / f"{index:07d}.safetensors"
-            if path.exists():
-                continue
-            input_ids = torch.tensor([examples[index].input_ids], device=device)
-            features, final_hidden = target_forward(self.target, input_ids, self.layer_ids)
-            partial = path.with_name(path.name + ".partial")
-            tensors = {"features": features[0].bfloat16(), "final_hidden": final_hidden[0].bfloat16()}
-            save_file({name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, str(partial))
-            os.replace(partial, path)
-
-    def __call__(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features `[B, T, 3 k_t]`, final hidden state `[B, T, k_t]`) for a collated batch on the target's device
-        (`target_distribution` turns the second into the target's distributions)."""
-        input_ids = batch["input_ids"].to(self.target.device)
-        if self.precomputed_dir is None:
-            features, final_hidden = target_forward(self.target, input_ids, self.layer_ids)
-        else:
-            dtype = self.target.dtype
-            features = input_ids.new_zeros((*input_ids.shape, 3 * self.target.config.hidden_size), dtype=dtype)
-            final_hidden = input_ids.new_zeros((*input_ids.shape, self.target.config.hidden_size), dtype=dtype)
-            for row, index in enumerate(batch["indices"].tolist()):
-                stored = load_file(str(self.split_dirs[split] / f"{index:07d}.safetensors"))
-                length = stored["features"].shape[0]
-                features[row, :length] = stored["features"].to(dtype)
-                final_hidden[row, :length] = stored["final_hidden"].to(dtype)
-        return features, final_hidden
 
 
 # -------------------------------------------------------------------------------------------------------- draft
@@ -917,10 +857,11 @@ def train(
     ttt, optimizer = accelerator.prepare(ttt, optimizer)
 
     features = TargetFeatures(target, draft_config.target_layer_ids, config.precompute_features)
-    if config.precompute_features is not None:
-        with accelerator.main_process_first():  # one process writes the files, the others then find them there
-            features.precompute(train_examples, "train", progress and accelerator.is_main_process)
-            features.precompute(eval_examples, "eval", progress and accelerator.is_main_process)
+    if config.precompute_features is not None:  # each process writes its share, then all read every file
+        for split, examples in (("train", train_examples), ("eval", eval_examples)):
+            features.precompute(examples, split, config.precompute_batch_tokens, rank, world_size,
+                                progress and accelerator.is_main_process)
+        accelerator.wait_for_everyone()
     # The cap holds for all processes together, so the held-out batches (and their metrics) do not depend on how many
     # processes there are; a process may get none (see `evaluate`).
     eval_batches = epoch_batches([len(e.input_ids) for e in eval_examples], config.batch_size, config.seed, 0)
@@ -1059,7 +1000,6 @@ def _run_cli(args: argparse.Namespace) -> Eagle3DraftModel:
 
 
 __all__ = [
-    "TargetFeatures",
     "TrainConfig",
     "acceptance_summary",
     "build_draft",
