@@ -25,7 +25,6 @@ from hf_eagle3.training.profile import PROFILE_MAX_DEPTH, PROFILE_TOP_KS
 from hf_eagle3.training.trainer import (
     TrainConfig,
     acceptance_summary,
-    collate,
     epoch_batches,
     latest_checkpoint,
     train,
@@ -172,6 +171,27 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(dataset, target
     assert Eagle3DraftModel.from_pretrained(latest_checkpoint(tmp_path)).config.draft_vocab_size == 64
 
 
+def test_each_evaluation_decodes_at_the_reference_tree_and_best_keeps_the_draft_of_the_highest_tau(
+        dataset, target, tmp_path):
+    config = config_for(dataset, tmp_path, max_steps=24, eval_every=6, save_every=24, learning_rate=1e-2,
+                        eval_tree_prompts=3)
+    train(config, target=target, progress=False)
+    evaluations = [entry["eval"] for entry in json.loads((tmp_path / "history.json").read_text()) if "eval" in entry]
+    taus = [evaluation["tree_tau"] for evaluation in evaluations]
+    assert len(taus) == 4 and all(evaluation["tree"] == trainer_module.EVAL_TREE for evaluation in evaluations)
+    assert max(taus) > taus[0] >= 1  # training raises it
+    assert [evaluation["best"] for evaluation in evaluations] == [tau > max(taus[:i], default=0)
+                                                                  for i, tau in enumerate(taus)]
+    # OUTPUT_DIR/best holds the draft of the highest τ: decoding the held-out prompts with it gives that τ again
+    best = Eagle3DraftModel.from_pretrained(tmp_path / "best")
+    emitted = []
+    for prompt in trainer_module.held_out_prompts(trainer_module._split_examples(config)[1][:3], target.device):
+        output = target.generate(prompt, max_new_tokens=trainer_module.EVAL_TREE_NEW_TOKENS, do_sample=False,
+                                 assistant_model=best, return_dict_in_generate=True, **trainer_module.EVAL_TREE)
+        emitted += output.eagle3_stats.acceptance_lengths
+    assert sum(emitted) / len(emitted) == pytest.approx(max(taus))
+
+
 def test_held_out_evaluation_chains_eval_ttt_steps_whatever_the_training_steps(dataset, target, tmp_path):
     train(config_for(dataset, tmp_path, ttt_steps=1, eval_ttt_steps=5, max_steps=2), target=target, progress=False)
     history = json.loads((tmp_path / "history.json").read_text())
@@ -259,27 +279,50 @@ def test_a_draft_started_from_the_target_s_last_layer_computes_it_on_the_last_ta
         config_for(dataset, tmp_path, init_draft=str(tmp_path), init_layer_from_target=True)
 
 
-def test_precomputed_features_match_online_ones(dataset, target, tmp_path):
+def test_precomputed_features_match_online_ones_read_ahead_by_workers_or_not(dataset, target, tmp_path):
     examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1]), Example([], [4, 6, 8], [0, 1, 1])]
-    batch = collate(examples, [0, 1], pad_token_id=0)
-    online = TargetFeatures(target, [2, 4, 5])(batch, "train")
+    batches = [[0, 1], [1]]
+    online = list(TargetFeatures(target, [2, 4, 5]).batches(examples, batches, "train"))
     stored = TargetFeatures(target, [2, 4, 5], tmp_path)
     stored.precompute(examples, "train", batch_tokens=64, progress=False)
-    from_disk = stored(batch, "train")
-    for got, expected in zip(from_disk, online):
-        real = batch["loss_mask"].new_ones(batch["loss_mask"].shape).bool()
-        real[1, 3:] = False  # padding rows are zero on disk, anything online
-        assert torch.allclose(got[real], expected[real], rtol=2e-2, atol=2e-2)
+    in_process = list(stored.batches(examples, batches, "train"))
+    read_ahead = list(stored.batches(examples, batches, "train", workers=2))
+    for got, ahead, expected in zip(in_process, read_ahead, online):
+        assert torch.equal(got["input_ids"], expected["input_ids"]) and torch.equal(got["indices"], expected["indices"])
+        real = expected["input_ids"].new_ones(expected["input_ids"].shape).bool()
+        real[1:, 3:] = False  # padding is zero on disk, anything online
+        for name in ("features", "final_hidden"):
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], ahead[name])
+            assert torch.allclose(got[name][real], expected[name][real], rtol=2e-2, atol=2e-2)
+            assert not got[name][~real].any()
 
 
-def test_batched_target_features_equal_one_conversation_at_a_time_in_float32(target):
+def test_offline_training_reads_the_same_batches_with_workers_across_an_epoch_and_a_resume(dataset, target, tmp_path):
+    import shutil
+
+    config = config_for(dataset, tmp_path / "in-process", max_steps=12, precompute_features=str(tmp_path / "features"),
+                        feature_workers=0)  # 10 batches an epoch: the second starts at step 11
+    train(config, target=target, progress=False)
+    ahead = replace(config, output_dir=str(tmp_path / "read-ahead"), feature_workers=2)
+    train(ahead, target=target, progress=False)
+    shutil.rmtree(tmp_path / "read-ahead" / "checkpoint-000012")
+    train(ahead, resume=True, target=target, progress=False)  # from step 8
+    history = [json.loads((tmp_path / run / "history.json").read_text()) for run in ("in-process", "read-ahead")]
+    assert [entry.get("train_loss") for entry in history[0]] == [entry.get("train_loss") for entry in history[1]]
+    expected, got = draft_weights(tmp_path / "in-process"), draft_weights(tmp_path / "read-ahead")
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_batched_target_features_equal_one_conversation_at_a_time_to_float32_rounding(target):
     torch.manual_seed(0)
     sequences = [torch.randint(1, VOCAB, (length,)).tolist() for length in (30, 13, 9, 5, 3)]
     batched = batched_target_forward(target, sequences, [2, 4, 5])
     for sequence, (features, final_hidden) in zip(sequences, batched):
         alone_features, alone_final_hidden = target_forward(target, torch.tensor([sequence]), [2, 4, 5])
         assert features.dtype == torch.float32 and features.shape[0] == len(sequence)
-        assert torch.equal(features, alone_features[0]) and torch.equal(final_hidden, alone_final_hidden[0])
+        # to float32 rounding (torch's float32 tolerances): other batch shapes sum in another order, nothing more
+        torch.testing.assert_close(features, alone_features[0])
+        torch.testing.assert_close(final_hidden, alone_final_hidden[0])
 
 
 def test_length_batches_sort_by_length_and_keep_to_the_token_budget():
@@ -442,14 +485,14 @@ def test_the_cli_reports_a_bad_setting_in_one_sentence(dataset, tmp_path):
 
 def test_precomputed_features_of_another_target_are_never_read(dataset, target, tmp_path):
     examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1])]
-    batch = collate(examples, [0], pad_token_id=0)
     other = tiny_target("llama", seed=1)  # same hidden size, other weights
     TargetFeatures(target, [2, 4, 5], tmp_path).precompute(examples, "train", batch_tokens=64, progress=False)
     shared = TargetFeatures(other, [2, 4, 5], tmp_path)
     shared.precompute(examples, "train", batch_tokens=64, progress=False)
-    online = TargetFeatures(other, [2, 4, 5])(batch, "train")
-    for got, expected in zip(shared(batch, "train"), online):
-        assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2)
+    online = next(TargetFeatures(other, [2, 4, 5]).batches(examples, [[0]], "train"))
+    stored = next(shared.batches(examples, [[0]], "train"))
+    for name in ("features", "final_hidden"):
+        assert torch.allclose(stored[name], online[name], rtol=2e-2, atol=2e-2)
     assert len(list(tmp_path.glob("train-*"))) == 2
 
 

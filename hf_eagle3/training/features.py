@@ -11,6 +11,7 @@ behind a bounded queue while the target computes its next batch.
 import os
 import queue
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from ..utils.fingerprint import digest, model_fingerprint
-from .data import Example
+from .data import Example, collate
 
 # Files queued for the writer at most: a few batches' worth, so that writing overlaps the next forward without
 # holding a dataset's features in host memory when the disk is slower than the target.
@@ -105,14 +106,40 @@ def feature_path(directory: Path, index: int) -> Path:
     return directory / f"{index:07d}.safetensors"
 
 
+class PrecomputedBatches(torch.utils.data.Dataset):
+    """Batches of conversations with their precomputed features, for a `DataLoader`: item i is `collate(examples,
+    batches[i])` with `features` `[B, T, 3 k_t]` and `final_hidden` `[B, T, k_t]` as stored (bf16, zero past each
+    conversation's end)."""
+
+    def __init__(self, examples: list[Example], batches: list[list[int]], directory: Path, pad_token_id: int,
+                 hidden_size: int):
+        self.examples, self.batches, self.directory = examples, batches, directory
+        self.pad_token_id, self.hidden_size = pad_token_id, hidden_size
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        batch = collate(self.examples, self.batches[position], self.pad_token_id)
+        features = torch.zeros((*batch["input_ids"].shape, 3 * self.hidden_size), dtype=torch.bfloat16)
+        final_hidden = torch.zeros((*batch["input_ids"].shape, self.hidden_size), dtype=torch.bfloat16)
+        for row, index in enumerate(self.batches[position]):
+            stored = load_file(str(feature_path(self.directory, index)))
+            length = stored["features"].shape[0]
+            features[row, :length] = stored["features"]
+            final_hidden[row, :length] = stored["final_hidden"]
+        return batch | {"features": features, "final_hidden": final_hidden}
+
+
 class TargetFeatures:
-    """The target's features and logits for a batch: computed online, or read from precomputed files."""
+    """Batches of conversations with the target's features: computed online, or read from precomputed files."""
 
     def __init__(self, target: PreTrainedModel, layer_ids: list[int], precomputed_dir: str | Path | None = None):
         self.target = target
         self.layer_ids = layer_ids
         self.precomputed_dir = None if precomputed_dir is None else Path(precomputed_dir)
         self.split_dirs: dict[str, Path] = {}
+        self.pad_token_id = target.config.pad_token_id or 0
 
     def precompute(self, examples: list[Example], split: str, batch_tokens: int, rank: int = 0, world_size: int = 1,
                    progress: bool = True) -> None:
@@ -138,18 +165,24 @@ class TargetFeatures:
                         writer.put(path, {"features": features.bfloat16().cpu(),
                                           "final_hidden": final_hidden.bfloat16().cpu()})
 
-    def __call__(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features `[B, T, 3 k_t]`, final hidden state `[B, T, k_t]`) for a collated batch on the target's device
-        (`target_distribution` turns the second into the target's distributions)."""
-        input_ids = batch["input_ids"].to(self.target.device)
+    def batches(self, examples: list[Example], batches: list[list[int]], split: str,
+                workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """`collate(examples, indices)` for each of `batches`, with the target's `features` `[B, T, 3 k_t]` and
+        `final_hidden` `[B, T, k_t]` on its device in its dtype (`target_distribution` turns the second into the
+        target's distributions). Precomputed features are read ahead by a `DataLoader` with `workers` processes (0:
+        in this one), into pinned memory on CUDA."""
+        device, dtype = self.target.device, self.target.dtype
         if self.precomputed_dir is None:
-            return target_forward(self.target, input_ids, self.layer_ids)
-        dtype = self.target.dtype
-        features = input_ids.new_zeros((*input_ids.shape, 3 * self.target.config.hidden_size), dtype=dtype)
-        final_hidden = input_ids.new_zeros((*input_ids.shape, self.target.config.hidden_size), dtype=dtype)
-        for row, index in enumerate(batch["indices"].tolist()):
-            stored = load_file(str(feature_path(self.split_dirs[split], index)))
-            length = stored["features"].shape[0]
-            features[row, :length] = stored["features"].to(dtype)
-            final_hidden[row, :length] = stored["final_hidden"].to(dtype)
-        return features, final_hidden
+            for indices in batches:
+                batch = collate(examples, indices, self.pad_token_id)
+                features, final_hidden = target_forward(self.target, batch["input_ids"].to(device), self.layer_ids)
+                yield batch | {"features": features, "final_hidden": final_hidden}
+            return
+        stored = PrecomputedBatches(examples, batches, self.split_dirs[split], self.pad_token_id,
+                                    self.target.config.hidden_size)
+        loader = torch.utils.data.DataLoader(stored, batch_size=None, num_workers=workers,
+                                             pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None)
+        for batch in loader:
+            for name in ("features", "final_hidden"):
+                batch[name] = batch[name].to(device, dtype, non_blocking=True)
+            yield batch
