@@ -14,7 +14,7 @@ from hf_eagle3 import Eagle3Config, Eagle3DraftModel
 from hf_eagle3.resources.loading import SHIPPED_DRAFT, load_draft
 from hf_eagle3.resources.prompts import chat_input_ids, humaneval_prompts, mt_bench_first_turns
 from hf_eagle3.resources.smollm2 import load_smollm2
-from hf_eagle3.training.trainer import target_forward
+from hf_eagle3.training.features import target_forward
 from hf_eagle3.training.ttt import TrainingTimeTest
 
 pytestmark = pytest.mark.slow

@@ -19,13 +19,12 @@ from transformers import get_cosine_schedule_with_warmup
 from hf_eagle3 import Eagle3DraftModel
 from hf_eagle3.commands import cli
 from hf_eagle3.training import trainer as trainer_module
-from hf_eagle3.training.data import Example
+from hf_eagle3.training.data import Example, load_dataset
+from hf_eagle3.training.features import TargetFeatures, batched_target_forward, length_batches, target_forward
 from hf_eagle3.training.profile import PROFILE_MAX_DEPTH, PROFILE_TOP_KS
 from hf_eagle3.training.trainer import (
-    TargetFeatures,
     TrainConfig,
     acceptance_summary,
-    collate,
     epoch_batches,
     latest_checkpoint,
     train,
@@ -172,6 +171,27 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(dataset, target
     assert Eagle3DraftModel.from_pretrained(latest_checkpoint(tmp_path)).config.draft_vocab_size == 64
 
 
+def test_each_evaluation_decodes_at_the_reference_tree_and_best_keeps_the_draft_of_the_highest_tau(
+        dataset, target, tmp_path):
+    config = config_for(dataset, tmp_path, max_steps=24, eval_every=6, save_every=24, learning_rate=1e-2,
+                        eval_tree_prompts=3)
+    train(config, target=target, progress=False)
+    evaluations = [entry["eval"] for entry in json.loads((tmp_path / "history.json").read_text()) if "eval" in entry]
+    taus = [evaluation["tree_tau"] for evaluation in evaluations]
+    assert len(taus) == 4 and all(evaluation["tree"] == trainer_module.EVAL_TREE for evaluation in evaluations)
+    assert max(taus) > taus[0] >= 1  # training raises it
+    assert [evaluation["best"] for evaluation in evaluations] == [tau > max(taus[:i], default=0)
+                                                                  for i, tau in enumerate(taus)]
+    # OUTPUT_DIR/best holds the draft of the highest τ: decoding the held-out prompts with it gives that τ again
+    best = Eagle3DraftModel.from_pretrained(tmp_path / "best")
+    emitted = []
+    for prompt in trainer_module.held_out_prompts(trainer_module._split_examples(config)[1][:3], target.device):
+        output = target.generate(prompt, max_new_tokens=trainer_module.EVAL_TREE_NEW_TOKENS, do_sample=False,
+                                 assistant_model=best, return_dict_in_generate=True, **trainer_module.EVAL_TREE)
+        emitted += output.eagle3_stats.acceptance_lengths
+    assert sum(emitted) / len(emitted) == pytest.approx(max(taus))
+
+
 def test_held_out_evaluation_chains_eval_ttt_steps_whatever_the_training_steps(dataset, target, tmp_path):
     train(config_for(dataset, tmp_path, ttt_steps=1, eval_ttt_steps=5, max_steps=2), target=target, progress=False)
     history = json.loads((tmp_path / "history.json").read_text())
@@ -259,17 +279,89 @@ def test_a_draft_started_from_the_target_s_last_layer_computes_it_on_the_last_ta
         config_for(dataset, tmp_path, init_draft=str(tmp_path), init_layer_from_target=True)
 
 
-def test_precomputed_features_match_online_ones(dataset, target, tmp_path):
+def test_precomputed_features_match_online_ones_read_ahead_by_workers_or_not(dataset, target, tmp_path):
     examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1]), Example([], [4, 6, 8], [0, 1, 1])]
-    batch = collate(examples, [0, 1], pad_token_id=0)
-    online = TargetFeatures(target, [2, 4, 5])(batch, "train")
+    batches = [[0, 1], [1]]
+    online = list(TargetFeatures(target, [2, 4, 5]).batches(examples, batches, "train"))
     stored = TargetFeatures(target, [2, 4, 5], tmp_path)
-    stored.precompute(examples, "train", progress=False)
-    from_disk = stored(batch, "train")
-    for got, expected in zip(from_disk, online):
-        real = batch["loss_mask"].new_ones(batch["loss_mask"].shape).bool()
-        real[1, 3:] = False  # padding rows are zero on disk, anything online
-        assert torch.allclose(got[real], expected[real], rtol=2e-2, atol=2e-2)
+    stored.precompute(examples, "train", batch_tokens=64, progress=False)
+    in_process = list(stored.batches(examples, batches, "train"))
+    read_ahead = list(stored.batches(examples, batches, "train", workers=2))
+    for got, ahead, expected in zip(in_process, read_ahead, online):
+        assert torch.equal(got["input_ids"], expected["input_ids"]) and torch.equal(got["indices"], expected["indices"])
+        real = expected["input_ids"].new_ones(expected["input_ids"].shape).bool()
+        real[1:, 3:] = False  # padding is zero on disk, anything online
+        for name in ("features", "final_hidden"):
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], ahead[name])
+            assert torch.allclose(got[name][real], expected[name][real], rtol=2e-2, atol=2e-2)
+            assert not got[name][~real].any()
+
+
+def test_offline_training_reads_the_same_batches_with_workers_across_an_epoch_and_a_resume(dataset, target, tmp_path):
+    import shutil
+
+    config = config_for(dataset, tmp_path / "in-process", max_steps=12, precompute_features=str(tmp_path / "features"),
+                        feature_workers=0)  # 10 batches an epoch: the second starts at step 11
+    train(config, target=target, progress=False)
+    ahead = replace(config, output_dir=str(tmp_path / "read-ahead"), feature_workers=2)
+    train(ahead, target=target, progress=False)
+    shutil.rmtree(tmp_path / "read-ahead" / "checkpoint-000012")
+    train(ahead, resume=True, target=target, progress=False)  # from step 8
+    history = [json.loads((tmp_path / run / "history.json").read_text()) for run in ("in-process", "read-ahead")]
+    assert [entry.get("train_loss") for entry in history[0]] == [entry.get("train_loss") for entry in history[1]]
+    expected, got = draft_weights(tmp_path / "in-process"), draft_weights(tmp_path / "read-ahead")
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_batched_target_features_equal_one_conversation_at_a_time_to_float32_rounding(target):
+    torch.manual_seed(0)
+    sequences = [torch.randint(1, VOCAB, (length,)).tolist() for length in (30, 13, 9, 5, 3)]
+    batched = batched_target_forward(target, sequences, [2, 4, 5])
+    for sequence, (features, final_hidden) in zip(sequences, batched):
+        alone_features, alone_final_hidden = target_forward(target, torch.tensor([sequence]), [2, 4, 5])
+        assert features.dtype == torch.float32 and features.shape[0] == len(sequence)
+        # to float32 rounding (torch's float32 tolerances): other batch shapes sum in another order, nothing more
+        torch.testing.assert_close(features, alone_features[0])
+        torch.testing.assert_close(final_hidden, alone_final_hidden[0])
+
+
+def test_length_batches_sort_by_length_and_keep_to_the_token_budget():
+    lengths = [5, 30, 9, 13, 3, 9, 40]
+    batches = length_batches(lengths, batch_tokens=30)
+    assert batches == [[6], [1], [3, 2], [5, 0, 4]]  # 40 > 30 goes alone; 2 x 13 <= 30; 3 x 9 <= 30
+    assert sorted(sum(batches, [])) == list(range(len(lengths)))
+
+
+def test_precomputed_files_are_the_same_whatever_the_number_of_processes(dataset, target, tmp_path):
+    examples = load_dataset(dataset)[:20]
+    features = TargetFeatures(target, [2, 4, 5], tmp_path / "one")
+    features.precompute(examples, "train", batch_tokens=96, progress=False)
+    one = features.split_dirs["train"]
+    shares = []
+    for rank in range(3):  # three processes' shares, each written into its own directory to see what it wrote
+        share = TargetFeatures(target, [2, 4, 5], tmp_path / f"rank-{rank}")
+        share.precompute(examples, "train", batch_tokens=96, rank=rank, world_size=3, progress=False)
+        shares.append({path.name: load_file(str(path)) for path in share.split_dirs["train"].iterdir()})
+        assert share.split_dirs["train"].name == one.name and shares[-1]
+    names = [name for share in shares for name in share]
+    assert sorted(names) == sorted(path.name for path in one.iterdir()) == [f"{i:07d}.safetensors" for i in range(20)]
+    for share in shares:  # disjoint shares, each file equal to the one a single process writes
+        for name, tensors in share.items():
+            alone = load_file(str(one / name))
+            assert all(torch.equal(tensors[key], alone[key]) for key in ("features", "final_hidden")), name
+
+
+def test_a_failed_feature_write_stops_precompute_naming_the_file_and_keeps_the_others(dataset, target, tmp_path):
+    examples = load_dataset(dataset)[:6]
+    features = TargetFeatures(target, [2, 4, 5], tmp_path)
+    features.precompute(examples, "train", batch_tokens=64, progress=False)
+    directory = features.split_dirs["train"]
+    (directory / "0000003.safetensors").unlink()
+    (directory / "0000003.safetensors.partial").mkdir()  # where the writer puts the file before renaming it
+    with pytest.raises(OSError, match=r"Writing the precomputed features .*0000003.safetensors failed .*free space"):
+        features.precompute(examples, "train", batch_tokens=64, progress=False)
+    for index in (0, 1, 2, 4, 5):
+        assert load_file(str(directory / f"{index:07d}.safetensors"))["features"].shape[0] == 32
 
 
 def test_epoch_batches_are_deterministic_and_cover_every_example_once():
@@ -393,14 +485,14 @@ def test_the_cli_reports_a_bad_setting_in_one_sentence(dataset, tmp_path):
 
 def test_precomputed_features_of_another_target_are_never_read(dataset, target, tmp_path):
     examples = [Example([], [3, 5, 7, 9, 11], [0, 0, 1, 1, 1])]
-    batch = collate(examples, [0], pad_token_id=0)
     other = tiny_target("llama", seed=1)  # same hidden size, other weights
-    TargetFeatures(target, [2, 4, 5], tmp_path).precompute(examples, "train", progress=False)
+    TargetFeatures(target, [2, 4, 5], tmp_path).precompute(examples, "train", batch_tokens=64, progress=False)
     shared = TargetFeatures(other, [2, 4, 5], tmp_path)
-    shared.precompute(examples, "train", progress=False)
-    online = TargetFeatures(other, [2, 4, 5])(batch, "train")
-    for got, expected in zip(shared(batch, "train"), online):
-        assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2)
+    shared.precompute(examples, "train", batch_tokens=64, progress=False)
+    online = next(TargetFeatures(other, [2, 4, 5]).batches(examples, [[0]], "train"))
+    stored = next(shared.batches(examples, [[0]], "train"))
+    for name in ("features", "final_hidden"):
+        assert torch.allclose(stored[name], online[name], rtol=2e-2, atol=2e-2)
     assert len(list(tmp_path.glob("train-*"))) == 2
 
 
@@ -520,7 +612,7 @@ save_file(tensors, f"{sys.argv[1]}/rank-{state.process_index}.safetensors",
 """
 LAUNCH_SETTINGS = dict(draft_vocab_size=64, intermediate_size=64, ttt_steps=2, learning_rate=3e-3, warmup_steps=2,
                        save_every=2, eval_every=2, log_every=1, eval_fraction=0.02, seed=1, threads=1,
-                       profile_prompts=0)
+                       profile_prompts=0, precompute_batch_tokens=256)  # 8 conversations a batch: 6 batches to share
 
 
 def accelerate_launch(launch_args, command, tmp_path, env=None):
@@ -541,7 +633,7 @@ def train_argv(target_dir, data, output_dir, **settings):
 @pytest.fixture(scope="module")
 def two_cpu_processes(dataset, target, tmp_path_factory):
     """A 4-step run in 2 CPU processes (gloo), 2 conversations per process and step; 1 held-out conversation, so
-    process 1 has no held-out batch. Target features are precomputed (by one process, read by both)."""
+    process 1 has no held-out batch. Target features are precomputed (each process its share, read by both)."""
     root = tmp_path_factory.mktemp("two-processes")
     target.save_pretrained(root / "target")
     (root / "train_and_dump.py").write_text(TRAIN_AND_DUMP_WEIGHTS)
@@ -582,6 +674,11 @@ def test_two_cpu_processes_with_fewer_held_out_batches_than_processes_train_as_o
     expected_weights = draft_weights(single)
     for name, tensor in ranks[0][1].items():
         assert torch.allclose(tensor, expected_weights[name], atol=1e-5), name
+    # the two processes' shares of the features make the files one process writes, file for file
+    shared, alone = sorted((root / "features").glob("*/*")), sorted((tmp_path / "features").glob("*/*"))
+    split_and_name = [[(path.parent.name.split("-")[0], path.name) for path in paths] for paths in (shared, alone)]
+    assert split_and_name[0] == split_and_name[1]  # (the fingerprints differ: the targets' paths do)
+    assert all(path.read_bytes() == other.read_bytes() for path, other in zip(shared, alone))
 
 
 def test_a_run_resumed_under_accelerate_extends_max_steps_on_the_longer_schedule(two_cpu_processes, dataset, target,

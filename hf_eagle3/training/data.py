@@ -100,6 +100,20 @@ class Example:
     loss_mask: list[int]
 
 
+def collate(examples: list[Example], indices: list[int], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids` / `loss_mask` `[B, T]` (padding has mask 0), the example `indices` `[B]` and the
+    number of real tokens `num_tokens`."""
+    length = max(len(examples[i].input_ids) for i in indices)
+    input_ids = torch.full((len(indices), length), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(indices), length), dtype=torch.long)
+    for row, index in enumerate(indices):
+        example = examples[index]
+        input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
+        loss_mask[row, : len(example.loss_mask)] = torch.tensor(example.loss_mask)
+    num_tokens = torch.tensor(sum(len(examples[i].input_ids) for i in indices))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "indices": torch.tensor(indices), "num_tokens": num_tokens}
+
+
 @dataclass
 class PreparedData:
     """What `prepare_dataset` produced: the examples and why the other records were dropped."""

@@ -7,7 +7,8 @@ One optimizer step:
     ->  AdamW (0.9, 0.95), clip 0.5
 
 Target features are computed online by default; `--precompute-features DIR` writes them to disk once (features and
-the target's final hidden state, bf16) and reads them back on every epoch.
+the target's final hidden state, bf16), each process its share, batched by length (`hf_eagle3.training.features`),
+and reads them back on every epoch.
 
 Runs on CPU or CUDA, in one process or data-parallel under `accelerate launch` (each process reads its own share of
 every round of batches, so N processes with `--batch-size B` train exactly as one process with `--batch-size B
@@ -33,7 +34,8 @@ schedule of a run of the new length from the step it resumes at (warmup not repe
 where the longer schedule is, and reaches 0 at the new last step), so it is not identical to a run planned that long
 from the start, whose first steps decayed more slowly.
 Held-out evaluation reports the per-step accuracy, chain acceptance n-α (greedy: the n-th drafted token is accepted
-given the previous ones were) and the chain τ it implies; `training.png` plots loss and n-α.
+given the previous ones were) and the chain τ it implies, and the τ of greedy decoding with the reference tree on a
+few held-out prompts; `OUTPUT_DIR/best` keeps the draft of the highest; `training.png` plots loss and n-α.
 """
 
 import argparse
@@ -61,8 +63,9 @@ from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.loading import load_target_model, save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
 from ..utils.extras import require
-from ..utils.fingerprint import digest, model_fingerprint, weights_fingerprint
+from ..utils.fingerprint import weights_fingerprint
 from .data import MANIFEST, Example, dataset_digests, load_dataset
+from .features import TargetFeatures
 from .losses import LOSSES
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .ttt import TrainingTimeTest, target_distribution
@@ -80,7 +83,8 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")
 # rate), bookkeeping, held-out evaluation and the final draft's packaging. None changes what a training step computes.
 RESUMABLE_CHANGES = (
     "output_dir", "max_steps", "epochs", "log_every", "eval_every", "eval_batches", "eval_ttt_steps", "save_every",
-    "keep_checkpoints", "threads", "save_dtype", "profile_prompts",
+    "keep_checkpoints", "threads", "save_dtype", "profile_prompts", "precompute_batch_tokens", "feature_workers",
+    "eval_tree_prompts",
 )
 # Why every other setting is fixed for the life of a run: changed midway, the run would be neither the old one nor a
 # new one (a test checks that every setting is in one of the two).
@@ -97,6 +101,11 @@ FIXED_SETTINGS = {
     "changes the arithmetic of every step (bf16 autocast; features stored in bf16)": ("bf16", "precompute_features"),
 }
 DRAFT_VOCABULARY_FILE = "draft_vocab.safetensors"
+# The tree of the held-out τ at each evaluation: the reference tree of the project's figures (the shipped draft's card),
+# decoded greedily for EVAL_TREE_NEW_TOKENS tokens from each of --eval-tree-prompts held-out prompts.
+EVAL_TREE = {"tree_depth": 7, "tree_top_k": 10, "tree_total_tokens": 59}
+EVAL_TREE_NEW_TOKENS = 64
+BEST_DRAFT_DIR = "best"
 # A run whose loss covers a smaller share of its tokens stops before training: chat answers are a third to two thirds
 # of the tokens of ordinary data, and under 1 % the length cap (or a template longer than it) left nearly nothing to
 # learn from, so the run would spend every target forward on prompts.
@@ -105,7 +114,8 @@ MIN_SUPERVISED_SHARE = 0.01
 # (the largest targets' MLPs are ~50k wide, their vocabularies ~256k), short of sizes that exhaust memory at start.
 SIZE_BOUNDS = {"draft_layers": 64, "intermediate_size": 1 << 18, "draft_vocab_size": 1 << 20, "ttt_steps": 64,
                "eval_ttt_steps": 64, "max_length": 1 << 20, "batch_size": 1 << 12,
-               "gradient_accumulation_steps": 1 << 12, "threads": 1 << 10}
+               "gradient_accumulation_steps": 1 << 12, "threads": 1 << 10, "precompute_batch_tokens": 1 << 24,
+               "feature_workers": 1 << 8}
 
 
 def _setting(default, help: str):
@@ -174,16 +184,24 @@ class TrainConfig:
                                                   "rows, mapped into the draft's output space)")
     precompute_features: str | None = _setting(None, "directory for the target's features, computed once (bf16) "
                                                      "and read back every epoch; default: computed online")
+    precompute_batch_tokens: int = _setting(8192, "padded tokens per target forward when precomputing features "
+                                                  "(conversations batched by length; a longer one goes alone)")
+    feature_workers: int = _setting(2, "DataLoader worker processes reading precomputed features ahead of the step "
+                                       "(0: read in the training process)")
     threads: int | None = _setting(None, "torch CPU threads per process; default: torch's choice")
     save_dtype: str = _setting("float32", f"dtype of the final draft in OUTPUT_DIR/draft ({', '.join(SAVE_DTYPES)}; "
                                           "e.g. bfloat16 to ship it)")
+    eval_tree_prompts: int = _setting(4, "held-out prompts decoded greedily at each evaluation with the reference "
+                                         "tree (depth 7, top-k 10, 59 tokens) for its τ; OUTPUT_DIR/best keeps the "
+                                         "draft of the highest (0: chain τ decides)")
     profile_prompts: int = _setting(8, "held-out prompts the final draft's acceptance profile is measured on (0: "
                                        "none), so that it decodes with tree_shape='auto' wherever it runs")
 
     def __post_init__(self):
         """Refuse settings that would silently ruin a run, naming the valid range."""
         at_least_one = ("draft_vocab_size", "draft_layers", "ttt_steps", "eval_ttt_steps", "batch_size",
-                        "gradient_accumulation_steps", "save_every", "keep_checkpoints", "eval_every", "log_every")
+                        "gradient_accumulation_steps", "save_every", "keep_checkpoints", "eval_every", "log_every",
+                        "precompute_batch_tokens")
         problems = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                     for name in at_least_one if getattr(self, name) < 1]
         optional_at_least_one = ("max_steps", "threads", "intermediate_size")
@@ -192,6 +210,9 @@ class TrainConfig:
         problems += [f"--{name.replace('_', '-')} must be at most {bound:,}, got {getattr(self, name):,}"
                      for name, bound in SIZE_BOUNDS.items()
                      if getattr(self, name) is not None and getattr(self, name) > bound]
+        if self.feature_workers < 0:
+            problems.append(f"--feature-workers must be >= 0 (0: read in the training process), got "
+                            f"{self.feature_workers}")
         if self.eval_batches is not None and self.eval_batches < 0:
             problems.append(f"--eval-batches must be >= 0 when given (0: no held-out evaluation), got "
                             f"{self.eval_batches}")
@@ -207,6 +228,8 @@ class TrainConfig:
             problems.append(f"--epochs must be > 0, got {self.epochs}")
         if not 0 <= self.eval_fraction < 1:
             problems.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_tree_prompts < 0:
+            problems.append(f"--eval-tree-prompts must be >= 0 (0: no tree decoding), got {self.eval_tree_prompts}")
         if self.profile_prompts < 0:
             problems.append(f"--profile-prompts must be >= 0 (0: no acceptance profile), got {self.profile_prompts}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
@@ -245,85 +268,6 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) ->
         chunk = sorted(order[start : start + window], key=lambda index: -lengths[index])
         batches.extend(chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size))
     return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-
-
-def collate(examples: list[Example], indices: list[int], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded `input_ids` / `loss_mask` `[B, T]` (padding has mask 0), the example `indices` `[B]` and the
-    number of real tokens `num_tokens`."""
-    length = max(len(examples[i].input_ids) for i in indices)
-    input_ids = torch.full((len(indices), length), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(indices), length), dtype=torch.long)
-    for row, index in enumerate(indices):
-        example = examples[index]
-        input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids)
-        loss_mask[row, : len(example.loss_mask)] = torch.tensor(example.loss_mask)
-    num_tokens = torch.tensor(sum(len(examples[i].input_ids) for i in indices))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "indices": torch.tensor(indices), "num_tokens": num_tokens}
-
-
-# ------------------------------------------------------------------------------------------------ target features
-
-
-@torch.no_grad()
-def target_forward(target: PreTrainedModel, input_ids: torch.Tensor, layer_ids: list[int]):
-    """(features `[B, T, 3 k_t]` at `layer_ids` of `outputs.hidden_states`, final hidden state `[B, T, k_t]`). Only
-    the hidden states at `layer_ids` are kept."""
-    outputs = target.model(input_ids=input_ids, output_hidden_states=layer_ids, use_cache=False)
-    features = torch.cat([outputs.hidden_states[i] for i in layer_ids], dim=-1)
-    return features, outputs.last_hidden_state
-
-
-class TargetFeatures:
-    """The target's features and logits for a batch: computed online, or read from precomputed files.
-
-    Right padding needs no attention mask: the target is causal, so padding never changes a real position.
-    """
-
-    def __init__(self, target: PreTrainedModel, layer_ids: list[int], precomputed_dir: str | Path | None = None):
-        self.target = target
-        self.layer_ids = layer_ids
-        self.precomputed_dir = None if precomputed_dir is None else Path(precomputed_dir)
-        self.split_dirs: dict[str, Path] = {}
-
-    def precompute(self, examples: list[Example], split: str, progress: bool = True) -> None:
-        """Write every example's features to `precomputed_dir/SPLIT-FINGERPRINT/NNNNNNN.safetensors`, skipping those
-        already there. The fingerprint covers the target (config and weights), the tapped layers and the examples'
-        tokens, so features made by another target or for other data are never read back."""
-        from tqdm.auto import tqdm
-
-        fingerprint = digest([model_fingerprint(self.target), self.layer_ids,
-                              digest([example.input_ids for example in examples])])
-        directory = self.precomputed_dir / f"{split}-{fingerprint}"
-        self.split_dirs[split] = directory
-        directory.mkdir(parents=True, exist_ok=True)
-        device = self.target.device
-        for index in tqdm(range(len(examples)), desc=f"precomputing {split} features", disable=not progress):
-            path = directory / f"{index:07d}.safetensors"
-            if path.exists():
-                continue
-            input_ids = torch.tensor([examples[index].input_ids], device=device)
-            features, final_hidden = target_forward(self.target, input_ids, self.layer_ids)
-            partial = path.with_name(path.name + ".partial")
-            tensors = {"features": features[0].bfloat16(), "final_hidden": final_hidden[0].bfloat16()}
-            save_file({name: tensor.cpu().contiguous() for name, tensor in tensors.items()}, str(partial))
-            os.replace(partial, path)
-
-    def __call__(self, batch: dict[str, torch.Tensor], split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features `[B, T, 3 k_t]`, final hidden state `[B, T, k_t]`) for a collated batch on the target's device
-        (`target_distribution` turns the second into the target's distributions)."""
-        input_ids = batch["input_ids"].to(self.target.device)
-        if self.precomputed_dir is None:
-            features, final_hidden = target_forward(self.target, input_ids, self.layer_ids)
-        else:
-            dtype = self.target.dtype
-            features = input_ids.new_zeros((*input_ids.shape, 3 * self.target.config.hidden_size), dtype=dtype)
-            final_hidden = input_ids.new_zeros((*input_ids.shape, self.target.config.hidden_size), dtype=dtype)
-            for row, index in enumerate(batch["indices"].tolist()):
-                stored = load_file(str(self.split_dirs[split] / f"{index:07d}.safetensors"))
-                length = stored["features"].shape[0]
-                features[row, :length] = stored["features"].to(dtype)
-                final_hidden[row, :length] = stored["final_hidden"].to(dtype)
-        return features, final_hidden
 
 
 # -------------------------------------------------------------------------------------------------------- draft
@@ -437,11 +381,47 @@ def load_initial_weights(draft: Eagle3DraftModel, initial: Eagle3DraftModel) -> 
     draft.load_state_dict(weights, strict=False)
 
 
+def held_out_prompts(examples: list[Example], device) -> list[torch.Tensor]:
+    """The prompts of `examples` (everything before their first answer token), `[1, T]` each."""
+    return [torch.tensor([e.input_ids[: e.loss_mask.index(1)]], device=device)
+            for e in examples if 1 in e.loss_mask[1:]]
+
+
+@torch.no_grad()
+def tree_tau(draft: Eagle3DraftModel, target, prompts: list[torch.Tensor], accelerator) -> float | None:
+    """τ at `EVAL_TREE`: tokens emitted per target forward in greedy decoding of `prompts` (this process's share),
+    over all processes; `None` when no process decoded a cycle."""
+    was_training = draft.training
+    draft.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    for input_ids in prompts:
+        stats = target.generate(input_ids, max_new_tokens=EVAL_TREE_NEW_TOKENS, do_sample=False, assistant_model=draft,
+                                attention_mask=torch.ones_like(input_ids), return_dict_in_generate=True,
+                                **EVAL_TREE).eagle3_stats
+        totals += torch.tensor([sum(stats.acceptance_lengths), len(stats.acceptance_lengths)], dtype=torch.float64)
+    draft.train(was_training)
+    emitted, cycles = accelerator.reduce(totals.to(accelerator.device), "sum").tolist()
+    return emitted / cycles if cycles else None
+
+
+def selection_tau(summary: dict) -> float:
+    """What `OUTPUT_DIR/best` is chosen by: an evaluation's held-out τ at the reference tree, else its chain τ."""
+    return summary.get("tree_tau") or summary["chain_tau"]
+
+
+def save_best_draft(output_dir: Path, draft: Eagle3DraftModel) -> None:
+    """`save_pretrained` the draft to `output_dir/best`, through a temporary directory renamed over the old one."""
+    partial, final = output_dir / f".{BEST_DRAFT_DIR}.partial", output_dir / BEST_DRAFT_DIR
+    shutil.rmtree(partial, ignore_errors=True)
+    save_draft(draft, partial, torch.float32)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+
+
 def record_acceptance_profile(draft: Eagle3DraftModel, target, examples: list[Example], progress: bool) -> None:
     """Measure the draft's acceptance profile by greedy decoding of the prompts of `examples` (everything before
     their first answer token) and record it in its config with `tree_shape="auto"`; nothing without examples."""
-    prompts = [torch.tensor([e.input_ids[: e.loss_mask.index(1)]], device=target.device)
-               for e in examples if 1 in e.loss_mask[1:]]
+    prompts = held_out_prompts(examples, target.device)
     if not prompts:
         return
     draft.eval()
@@ -479,13 +459,12 @@ def evaluate(ttt: TrainingTimeTest, features: TargetFeatures, examples, batches,
     was_training = ttt.training
     ttt.eval()
     totals = torch.zeros((6, ttt.steps), dtype=torch.float64, device=accelerator.device)
-    for indices in batches:
-        batch = collate(examples, indices, features.target.config.pad_token_id or 0)
-        target_features, final_hidden = features(batch, split)
-        target_view = target_distribution(final_hidden, features.target.lm_head, ttt.draft.draft_to_target)
-        device = target_features.device
+    for batch in features.batches(examples, batches, split):
+        target_view = target_distribution(batch["final_hidden"], features.target.lm_head, ttt.draft.draft_to_target)
+        device = batch["features"].device
         with accelerator.autocast():
-            output = ttt(batch["input_ids"].to(device), target_features, *target_view, batch["loss_mask"].to(device))
+            output = ttt(batch["input_ids"].to(device), batch["features"], *target_view,
+                         batch["loss_mask"].to(device))
         totals += torch.stack(
             [output.step_losses * output.step_counts, output.step_correct, output.step_counts,
              output.step_acceptance, output.chain_accepted, output.chain_attempted]
@@ -917,10 +896,11 @@ def train(
     ttt, optimizer = accelerator.prepare(ttt, optimizer)
 
     features = TargetFeatures(target, draft_config.target_layer_ids, config.precompute_features)
-    if config.precompute_features is not None:
-        with accelerator.main_process_first():  # one process writes the files, the others then find them there
-            features.precompute(train_examples, "train", progress and accelerator.is_main_process)
-            features.precompute(eval_examples, "eval", progress and accelerator.is_main_process)
+    if config.precompute_features is not None:  # each process writes its share, then all read every file
+        for split, examples in (("train", train_examples), ("eval", eval_examples)):
+            features.precompute(examples, split, config.precompute_batch_tokens, rank, world_size,
+                                progress and accelerator.is_main_process)
+        accelerator.wait_for_everyone()
     # The cap holds for all processes together, so the held-out batches (and their metrics) do not depend on how many
     # processes there are; a process may get none (see `evaluate`).
     eval_batches = epoch_batches([len(e.input_ids) for e in eval_examples], config.batch_size, config.seed, 0)
@@ -929,11 +909,24 @@ def train(
         share = coverage(train_examples, draft_token_ids, draft_config.vocab_size)
         accelerator.print(f"draft vocabulary: {config.draft_vocab_size} tokens cover {share:.1%} of the responses")
 
-    def run_evaluation():
-        return evaluate(held_out_ttt, features, eval_examples, eval_batches, "eval", accelerator)
+    tree_prompts = held_out_prompts(eval_examples[: config.eval_tree_prompts], target.device)[rank::world_size]
 
-    pad_token_id = target.config.pad_token_id or 0
-    batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
+    def run_evaluation():
+        summary = evaluate(held_out_ttt, features, eval_examples, eval_batches, "eval", accelerator)
+        if summary and config.eval_tree_prompts:
+            summary["tree"] = EVAL_TREE
+            summary["tree_tau"] = tree_tau(accelerator.unwrap_model(ttt).draft, target, tree_prompts, accelerator)
+        return summary
+
+    def training_batches():  # this process's batches from the data position on, epoch after epoch
+        epoch, start = state["epoch"], state["round"]
+        while True:
+            ours = epoch_batches(lengths, config.batch_size, config.seed, epoch)[rank : rounds_per_epoch * world_size
+                                                                                 : world_size]
+            yield from features.batches(train_examples, ours[start:], "train", config.feature_workers)
+            epoch, start = epoch + 1, 0
+
+    stream = training_batches()
     show_progress = progress and accelerator.is_main_process
     bar = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
     ttt.train()
@@ -944,11 +937,10 @@ def train(
         for micro_step in range(accumulation):
             if state["round"] >= rounds_per_epoch:
                 state["epoch"], state["round"] = state["epoch"] + 1, 0
-                batches = epoch_batches(lengths, config.batch_size, config.seed, state["epoch"])
-            batch = collate(train_examples, batches[state["round"] * world_size + rank], pad_token_id)
+            batch = next(stream)
             state["round"] += 1
-            target_features, final_hidden = features(batch, "train")
-            target_view = target_distribution(final_hidden, target.lm_head, draft.draft_to_target)
+            target_features = batch["features"]
+            target_view = target_distribution(batch["final_hidden"], target.lm_head, draft.draft_to_target)
             device = target_features.device
             last_micro_step = micro_step == accumulation - 1
             with accelerator.no_sync(ttt) if not last_micro_step else nullcontext(), accelerator.autocast():
@@ -985,10 +977,16 @@ def train(
         if state["step"] % config.eval_every == 0 or state["step"] == total_steps:
             summary = run_evaluation()
             if summary:
-                state["history"].append({"step": state["step"], "eval": summary})
+                best = selection_tau(summary) > max((selection_tau(entry["eval"]) for entry in state["history"]
+                                                     if "eval" in entry), default=0.0)
+                state["history"].append({"step": state["step"], "eval": summary | {"best": best}})
+                if best and accelerator.is_main_process:
+                    save_best_draft(output_dir, accelerator.unwrap_model(ttt).draft)
                 if accelerator.is_main_process:  # above the progress bar, not onto it
                     tqdm.write(f"step {state['step']}: held-out n-α {' '.join(f'{a:.2f}' for a in summary['alpha'])}, "
-                               f"chain τ {summary['chain_tau']:.2f}")
+                               f"chain τ {summary['chain_tau']:.2f}"
+                               + (f", τ at the reference tree {summary['tree_tau']:.2f}"
+                                  if summary.get("tree_tau") else ""))
         if accelerator.is_main_process and (state["step"] % config.save_every == 0 or state["step"] == total_steps):
             save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, state, config.keep_checkpoints)
             (output_dir / "history.json").write_text(json.dumps(state["history"], indent=1))
@@ -1059,11 +1057,9 @@ def _run_cli(args: argparse.Namespace) -> Eagle3DraftModel:
 
 
 __all__ = [
-    "TargetFeatures",
     "TrainConfig",
     "acceptance_summary",
     "build_draft",
-    "collate",
     "draft_config_for",
     "epoch_batches",
     "evaluate",
