@@ -128,6 +128,9 @@ def run_llama_cpp(target: Path, draft: Path, texts: list[str], k: int, max_new_t
                 accepted, = _logged(r"n_accept += (\d+)", run.stderr)
                 result["seconds"].append((seconds, tokens))
                 result["counts"].append((predicted, accepted))
+        plain_text, eagle3_text = results["llama.cpp"]["tokens"][-1], results["llama.cpp+eagle3"]["tokens"][-1]
+        if eagle3_text.startswith(plain_text) and predicted > max_new_tokens:  # its last step can overshoot -n
+            results["llama.cpp+eagle3"]["tokens"][-1] = plain_text
     for result in results.values():  # rates over generated tokens as each tool counts them
         result["rate"] = sum(n for _, n in result["seconds"]) / sum(s for s, _ in result["seconds"])
     counts = results["llama.cpp+eagle3"]["counts"]  # a target forward per step: tokens / (tokens - accepted)
