@@ -998,23 +998,24 @@ def train(
     if accelerator.is_main_process:
         record_acceptance_profile(draft, target, eval_examples[: config.profile_prompts], show_progress)
         save_draft(draft, output_dir / "draft", getattr(torch, config.save_dtype))
-        print(speed_verdict(draft, target, output_dir / "draft"))
+        print(speed_verdict(draft, target, output_dir / "draft", config.target))
     return draft
 
 
-def speed_verdict(draft: Eagle3DraftModel, target, folder: Path) -> str:
+def speed_verdict(draft: Eagle3DraftModel, target, folder: Path, target_name: str | None = None) -> str:
     """A run's last line: whether the draft it wrote decodes faster than plain decoding on this machine, as
-    `tree_shape="auto"` predicts from its acceptance profile and this machine's costs (measured once and cached)."""
+    `tree_shape="auto"` predicts from its acceptance profile and this machine's costs (measured once and cached), and
+    the command that measures it against `target_name` (the run's `--target`)."""
+    bench = f"hf-eagle3 bench {f'--target {target_name} ' if target_name else ''}--draft {folder}"
     if not draft.config.acceptance_profile:
         return (f"Wrote {folder}, without an acceptance profile (--profile-prompts 0 or no held-out prompt), so "
-                f"whether it decodes faster than plain decoding is not known: measure it with `hf-eagle3 bench "
-                f"--draft {folder}`.")
+                f"whether it decodes faster than plain decoding is not known: measure it with `{bench}`.")
     choice = choose_tree(target, draft)
     if choice.settings is None:
         return (f"Wrote {folder}, which is not predicted to decode faster than plain decoding on this machine "
                 f"(generate decodes plainly with it): {choice.reason}")
     return (f"Wrote {folder}, predicted at {choice.predicted_speedup:.2f}x plain decoding on this machine: "
-            f"{choice.reason}. `hf-eagle3 bench --draft {folder}` measures it.")
+            f"{choice.reason}. `{bench}` measures it.")
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI
