@@ -10,7 +10,7 @@ prefill, a multi-token or per-head mask, dropout, attention sinks) goes to trans
 sdpa's; only the order of the sums differs, so float32 logits agree to rounding and greedy answers can part at
 near-ties only, as between any two kernels.
 
-`decode_attention(model)` switches a model to it for a `with` block (registered with transformers'
+`decode_attention(model)` switches a model to it for a `with` block (registered, on first use, with transformers'
 `AttentionInterface` as `ATTENTION_NAME`, with sdpa's masks) and restores the model's own implementation after.
 """
 
@@ -60,18 +60,17 @@ def grouped_decode_attention(
     return output.reshape(batch, 1, heads, head_dim), None
 
 
-AttentionInterface.register(ATTENTION_NAME, grouped_decode_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
 @contextmanager
 def decode_attention(model: PreTrainedModel):
     """Within the block, `model` attends with `grouped_decode_attention` where its implementation is sdpa (other
-    implementations, eager or flash-attention say, are the user's choice and stay); restored after, also on error."""
+    implementations, eager or flash-attention say, are the user's choice and stay); restored after, also on error.
+    The function is registered on first use: importing hf-eagle3 leaves transformers' registries as they were."""
     implementation = attention_implementation(model.config)
     if implementation != "sdpa":
         yield model
         return
+    AttentionInterface.register(ATTENTION_NAME, grouped_decode_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     model.set_attn_implementation(ATTENTION_NAME)
     try:
         yield model
