@@ -551,7 +551,8 @@ def test_the_card_of_a_trained_draft_describes_its_training(tmp_path, llama_targ
             file.write(json.dumps({"messages": [], "input_ids": sequence, "loss_mask": [0] * 6 + [1] * 18}) + "\n")
     config = TrainConfig(data=str(data), output_dir=str(tmp_path / "run"), target="/models/local-llama",
                          draft_vocab_size=64, intermediate_size=64, batch_size=4, ttt_steps=3, max_steps=4,
-                         eval_every=4, save_every=4, eval_fraction=0.25, profile_prompts=0)
+                         eval_every=4, save_every=4, eval_fraction=0.25, profile_prompts=0,
+                         eval_tree_prompts=0)
     train(config, target=llama_target, progress=False)
     card = _card(tmp_path / "run" / "draft")
     assert "## Training" in card.text and "training-time test, 3 unrolled steps" in card.text

@@ -36,7 +36,7 @@ PLACEHOLDERS = {
 SCALED = {
     "prepare-data": "--limit 8 --max-new-tokens 6 --batch-size 8 --dtype float32",
     "train": "--max-steps 2 --batch-size 4 --draft-vocab-size 48 --intermediate-size 64 --eval-every 2 --save-every 2 "
-             "--profile-prompts 0 --warmup-steps 0",
+             "--profile-prompts 0 --eval-tree-prompts 0 --warmup-steps 0",
     "train ... --resume": "--max-steps 3",  # one step more
     "tune-tree": "--limit 1 --max-new-tokens 6 --top-k 1 2 --max-depth 2 --max-total 3",
     "bench": "--target target --draft out/draft --prompts tiny-prompts.jsonl --limit 1 --max-new-tokens 6 "

@@ -63,7 +63,7 @@ def config_for(dataset, output_dir, **overrides):
     settings = dict(
         data=str(dataset), output_dir=str(output_dir), draft_vocab_size=64, intermediate_size=64, batch_size=4,
         ttt_steps=3, learning_rate=3e-3, warmup_steps=2, max_steps=8, save_every=4, eval_every=4, log_every=1,
-        eval_fraction=0.2, seed=1, profile_prompts=0,
+        eval_fraction=0.2, seed=1, profile_prompts=0, eval_tree_prompts=0,  # tests that decode set them
     )
     return TrainConfig(**(settings | overrides))
 
@@ -130,7 +130,7 @@ def test_sigkilled_cli_run_resumes_to_the_weights_of_an_uninterrupted_one(datase
         "train", "--data", str(dataset), "--target", str(target_dir), "--draft-vocab-size", "64",
         "--intermediate-size", "64", "--batch-size", "4", "--ttt-steps", "3", "--learning-rate", "3e-3",
         "--warmup-steps", "2", "--max-steps", "40", "--save-every", "2", "--eval-every", "1000", "--eval-batches", "0",
-        "--eval-fraction", "0.2", "--seed", "1", "--threads", "1", "--profile-prompts", "0",
+        "--eval-fraction", "0.2", "--seed", "1", "--threads", "1", "--profile-prompts", "0", "--eval-tree-prompts", "0",
     ]
     straight = parse_train_cli([*argv, "--output-dir", str(tmp_path / "straight")])
     straight.run(straight)
