@@ -166,7 +166,8 @@ class Eagle3Config(PreTrainedConfig):
             candidates, those rows: a lower bound) with the machine's measured costs. Where the prompts came from
             several sets, a row's optional `"tau_by_set"` maps each set's name (`"mt-bench"`, `"humaneval"`) to the
             median τ of its prompts: what predictions of the median speedup over prompts of one kind read (`hf-eagle3
-            bench`, `demo`); `tau` pools every cycle of them all.
+            bench`, `demo`); `tau` pools every cycle of them all. Optional `"prompts"` and `"cycles"` count what the
+            row rests on (the prompts decoded, the decoding cycles over them).
         converted_from (`dict`, *optional*):
             Set by `hf-eagle3 convert` (and by `from_pretrained` on a foreign checkpoint) when the draft was converted
             from another project's format: `{"format": ..., "notes": [...]}`, the notes stating every reading chosen
@@ -315,14 +316,17 @@ class Eagle3Config(PreTrainedConfig):
             if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
                 problems.append(f"target_layer_ids must be distinct, got {self.target_layer_ids}")
         for row in self.acceptance_profile or []:
-            shape_keys = set(row) - {"ngram_candidates", "tau_by_set"} if isinstance(row, dict) else set()
+            counts = {"prompts", "cycles"}
+            shape_keys = set(row) - {"ngram_candidates", "tau_by_set", *counts} if isinstance(row, dict) else set()
             tau = row.get("tau") if isinstance(row, dict) else None
             if (shape_keys != {"tree_depth", "tree_top_k", "tree_total_tokens", "tau"} or isinstance(tau, bool)
                     or not isinstance(tau, int | float) or not tau >= 1
-                    or not isinstance(row.get("ngram_candidates", False), bool)):
+                    or not isinstance(row.get("ngram_candidates", False), bool)
+                    or not all(type(row[name]) is int and row[name] >= 0 for name in counts & set(row))):
                 problems.append(
                     "acceptance_profile rows must be {tree_depth, tree_top_k, tree_total_tokens, tau >= 1} and "
-                    f"optionally ngram_candidates (true or false) and tau_by_set, got {row}"
+                    f"optionally ngram_candidates (true or false), tau_by_set and the counts prompts and cycles, got "
+                    f"{row}"
                 )
                 break
         if "sliding_attention" in (self.layer_types or []) and not (self.sliding_window or 0) >= 1:

@@ -372,7 +372,8 @@ def test_an_absurd_prediction_is_never_acted_on(cache, llama_target, auto_draft)
 @pytest.mark.parametrize("row", [{"tau": 1e300}, {"tau": float("nan")}, {"tree_total_tokens": 40000},
                                  {"tree_depth": 10**9}, {"tree_top_k": "2"}, {"tau_by_set": {"chat": 0.5}},
                                  {"tau_by_set": ["chat", 2.0]}, {"tau_by_set": {"chat": float("inf")}},
-                                 {"ngram_candidates": None}, {"ngram_candidates": "yes"}])
+                                 {"ngram_candidates": None}, {"ngram_candidates": "yes"}, {"prompts": -1},
+                                 {"cycles": "many"}])
 def test_an_invalid_profile_row_decodes_plainly_before_anything_is_measured(cache, llama_target, auto_draft, row):
     auto_draft.config.acceptance_profile = [auto_draft.config.acceptance_profile[0] | row]
     choice = choose_tree(llama_target, auto_draft)

@@ -395,6 +395,16 @@ def test_card_without_results_has_no_results_section(saved_draft):
     assert "Measured acceptance" not in _card(saved_draft).text
 
 
+def test_the_cards_acceptance_profile_says_how_many_prompts_and_cycles_it_rests_on(tmp_path):
+    rows = [{"tree_depth": 2, "tree_top_k": top_k, "tree_total_tokens": 4, "tau": 1.5, "prompts": 8, "cycles": cycles}
+            for top_k, cycles in ((2, 61), (4, 48))]
+    tiny_draft(target_name_or_path="org/target", acceptance_profile=rows).save_pretrained(tmp_path / "draft")
+    assert "Measured over 8 prompts: 48 to 61 decoding cycles per top-k" in _card(tmp_path / "draft").text
+    rows = [{key: value for key, value in row.items() if key not in ("prompts", "cycles")} for row in rows]
+    tiny_draft(target_name_or_path="org/target", acceptance_profile=rows).save_pretrained(tmp_path / "earlier")
+    assert "## Acceptance profile" in (card := _card(tmp_path / "earlier").text) and "Measured over" not in card
+
+
 def test_a_draft_made_from_a_local_target_gets_its_hub_id_where_known_and_never_its_path(saved_draft, tmp_path):
     _record_target(saved_draft, "/home/me/.cache/huggingface/hub/models--org--Llama-Tiny/snapshots/0123abcd")
     assert _card(saved_draft).data.base_model == "org/Llama-Tiny"  # a Hub cache snapshot names its repo

@@ -576,6 +576,7 @@ def test_the_trained_draft_records_its_acceptance_profile_and_decodes_with_an_au
     profile = draft.config.acceptance_profile
     assert draft.config.tree_shape == "auto" and {row["tree_top_k"] for row in profile} == set(PROFILE_TOP_KS)
     assert all(row["tau"] >= 1 for row in profile) and max(row["tree_depth"] for row in profile) == PROFILE_MAX_DEPTH
+    assert all(row["prompts"] == 2 and row["cycles"] > 0 for row in profile)  # what each τ rests on
     prompt = torch.tensor([[5, 17, 33, 2, 61, 8]])
     expected = target.generate(prompt, max_new_tokens=16, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=draft), expected)

@@ -300,6 +300,9 @@ def profile_problem(profile, draft_vocab_size: int) -> str | None:
             depth = _count(row.get("tree_depth"), "tree_depth", MAX_TREE_DEPTH)
             top_k = _count(row.get("tree_top_k"), "tree_top_k", min(MAX_TREE_TOKENS, draft_vocab_size))
             total = _count(row.get("tree_total_tokens"), "tree_total_tokens", MAX_TREE_TOKENS)
+            for name in ("prompts", "cycles"):  # what the row's τ rests on (profiles recorded before lack them)
+                if name in row and (type(row[name]) is not int or row[name] < 0):
+                    raise ValueError(f"{name} must be a count, got {row[name]!r}")
             if not isinstance(row.get("ngram_candidates", False), bool):
                 raise TypeError(f"ngram_candidates must be true or false, got {row['ngram_candidates']!r}")
             if total > max_candidates(depth, top_k):

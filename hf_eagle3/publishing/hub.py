@@ -479,6 +479,12 @@ def _profile_table(profile: list[dict[str, Any]]) -> str:
         cells = [largest.get((top_k, depth)) for depth in depths]
         lines.append(f"| {top_k} | " + " | ".join(
             f"{cell['tau']:.2f} ({cell['tree_total_tokens']})" if cell else "-" for cell in cells) + " |")
+    counted = [row for row in largest.values() if "prompts" in row and "cycles" in row]
+    if counted:  # profiles recorded before the counts were kept say nothing
+        prompts = " / ".join(str(count) for count in sorted({row["prompts"] for row in counted}))
+        cycles = sorted(row["cycles"] for row in counted)
+        lines.append(f"\nMeasured over {prompts} prompts: {cycles[0]:,} to {cycles[-1]:,} decoding cycles per top-k "
+                     "(fewer cycles, a less certain τ).")
     return "\n".join(lines)
 
 

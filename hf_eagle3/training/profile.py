@@ -103,7 +103,8 @@ def acceptance_profile(
             for index, total in enumerate(totals):
                 if total <= max_candidates(depth, top_k):
                     rows.append({"tree_depth": depth, "tree_top_k": top_k, "tree_total_tokens": total,
-                                 "tau": round(float(taus[depth - 1, index]), 4)}
+                                 "tau": round(float(taus[depth - 1, index]), 4),
+                                 "prompts": len(prompts), "cycles": int(cycles.sum())}
                                 | ({"ngram_candidates": True} if ngram_candidates else {})
                                 | ({"tau_by_set": {name: round(float(set_tau[depth - 1, index]), 4)
                                                    for name, set_tau in set_taus.items()}} if set_taus else {}))
