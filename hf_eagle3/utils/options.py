@@ -16,29 +16,22 @@ MAX_THREADS = 1024
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
     """An argparse `type`: an integer from `low` to `high`, both included."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value:,} is out of range: allowed {low:,} to {high:,}")
-        return value
-
-    return parse
+    return _in_range(int, "an integer", low, high, ",")
 
 
 def float_in(low: float, high: float) -> Callable[[str], float]:
     """An argparse `type`: a number from `low` to `high`, both included."""
+    return _in_range(float, "a number", low, high, "g")
 
-    def parse(text: str) -> float:
+
+def _in_range(kind: type, name: str, low, high, spec: str) -> Callable[[str], int | float]:
+    def parse(text: str):
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value:g} is out of range: allowed {low:g} to {high:g}")
+            raise argparse.ArgumentTypeError(f"{value:{spec}} is out of range: allowed {low:{spec}} to {high:{spec}}")
         return value
 
     return parse
