@@ -93,13 +93,17 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return ancestors
 
 
-def node_paths(tree: DraftTree) -> torch.Tensor:
-    """`[b, N + 1, W]` the path from the root to every node: its node indices, root first, the node itself repeated
-    past its depth (`W = min(N + 1, max_depth + 1)`: a fixed shape)."""
-    nodes = torch.arange(tree.num_nodes, device=tree.tokens.device)
+def node_paths(tree: DraftTree, nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """`[b, M, W]` the path from the root to each of `nodes` (`[b, M]`; default every node, `M = N + 1`): its node
+    indices, root first, the node itself repeated past its depth (`W = min(N + 1, max_depth + 1)`: a fixed shape)."""
+    indices = torch.arange(tree.num_nodes, device=tree.tokens.device)
+    if nodes is None:
+        nodes, ancestors = indices.expand(tree.tokens.shape[0], -1), tree.ancestors
+    else:  # only their rows of the ancestor matrix
+        ancestors = tree.ancestors.gather(1, nodes[..., None].expand(-1, -1, tree.num_nodes))
     # nodes are ordered by depth, so a path's nodes in index order are in root-to-node order
-    ordered = torch.where(tree.ancestors, nodes, tree.num_nodes).sort(-1).values[..., : tree.max_depth + 1]
-    return torch.where(ordered < tree.num_nodes, ordered, nodes[:, None])
+    ordered = torch.where(ancestors, indices, tree.num_nodes).sort(-1).values[..., : tree.max_depth + 1]
+    return torch.where(ordered < tree.num_nodes, ordered, nodes[..., None])
 
 
 def build_tree(

@@ -55,9 +55,8 @@ def greedy_paths(tree: DraftTree, target_choices: torch.Tensor) -> tuple[torch.T
 def tree_path(tree: DraftTree, node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The path from the root to `node` (`[b]`) of each row: `[b]` its length in nodes and `[b, W]` its node
     indices, root first, the last repeated past the length (`node_paths`: a fixed shape)."""
-    paths = node_paths(tree)
     lengths = tree.depths.gather(-1, node[:, None])[:, 0] + 1
-    return lengths, paths.gather(1, node[:, None, None].expand(-1, 1, paths.shape[-1]))[:, 0]
+    return lengths, node_paths(tree, node[:, None])[:, 0]
 
 
 def children(tree: DraftTree, node: int) -> torch.Tensor:
