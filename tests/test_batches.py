@@ -301,5 +301,22 @@ def test_bench_batches_shows_a_call_that_decoded_plainly_as_plain_not_as_a_speed
     plain_call = {"speedup": 1.01, "tree": "plain", "tau": None, "identical_rows": 2, "shape_choice": "no tree pays"}
     table = markdown_table([{"batch_size": 2, "generated_tokens": 40, "plain_tokens_per_second": 20.0,
                              "eagle3_tokens_per_second": 20.2, "eagle3": plain_call}])
-    assert "| 2 | EAGLE-3, tree_shape='auto' | 20.2 | plain decoding (no speedup to measure) | plain | n/a | 2/2 |" \
-        in table and "1.01x" not in table
+    assert ("| 2 | EAGLE-3, tree_shape='auto' | 20.2 | plain decoding (no speedup to measure) | plain | n/a | n/a "
+            "| 2/2 |") in table and "1.01x" not in table
+
+
+def test_bench_batches_gives_each_tree_calls_draft_and_verification_milliseconds_per_cycle():
+    from hf_eagle3.commands.bench_batches import markdown_table, milliseconds_per_cycle
+    from hf_eagle3.decoding.drafter import TreeSettings
+    from hf_eagle3.decoding.stats import Eagle3GenerationStats
+
+    stats = Eagle3GenerationStats(TreeSettings(6, 8, 60), num_cycles=4, draft_seconds=0.4, verify_seconds=1.0)
+    split = milliseconds_per_cycle(stats)
+    assert split == pytest.approx({"draft": 100.0, "verify": 250.0})
+    assert milliseconds_per_cycle(Eagle3GenerationStats(None)) == {"draft": None, "verify": None}
+    fixed = {"speedup": 0.5, "tree": "depth 6, top-k 8, 60 tokens", "tau": 2.5, "identical_rows": 4,
+             "shape_choice": None, "draft_ms_per_cycle": 100.0, "verify_ms_per_cycle": 250.0}
+    table = markdown_table([{"batch_size": 4, "generated_tokens": 40, "plain_tokens_per_second": 20.0,
+                             "fixed_tokens_per_second": 10.0, "fixed": fixed}])
+    assert "| 4 | EAGLE-3, fixed tree | 10.0 | 0.50x | depth 6, top-k 8, 60 tokens | 2.50 | 100.0 / 250.0 | 4/4 |" \
+        in table

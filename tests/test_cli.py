@@ -131,6 +131,11 @@ def _error(argv: list[str]) -> str:
     return str(exit_info.value)
 
 
+def test_bench_batches_without_auto_needs_a_fixed_tree_before_anything_loads():
+    error = _error(["bench-batches", "--no-auto", "--target", "./no-such-target"])
+    assert "--no-auto leaves only a fixed tree to time: add --fixed-tree DEPTH TOP_K TOKENS" in error
+
+
 def test_a_draft_folder_that_does_not_exist_is_named_as_missing(llama_folder, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     error = _error(["tune-tree", "--target", str(llama_folder), "--draft", "./no-such-draft"])

@@ -41,7 +41,8 @@ SCALED = {
     "tune-tree": "--limit 1 --max-new-tokens 6 --top-k 1 2 --max-depth 2 --max-total 3",
     "bench": "--target target --draft out/draft --prompts tiny-prompts.jsonl --limit 1 --max-new-tokens 6 "
              "--repetitions 1",
-    "bench-batches": "--target target --draft out/draft --batch-sizes 1 2 --max-new-tokens 4 --repetitions 1",
+    "bench-batches": "--target target --draft out/draft --batch-sizes 1 2 --max-new-tokens 4 --repetitions 1 "
+                     "--fixed-tree 2 2 3",
     "tune-tree --show-calibration": "--target target --draft my-draft/tuned",
     "push": "--dry-run",  # nothing leaves the machine
 }

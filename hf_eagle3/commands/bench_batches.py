@@ -5,8 +5,10 @@ Each batch size takes the first `batch_size` prompts of the round-robin of MT-be
 chat-templated and left-padded as a tokenizer with `padding_side="left"` pads them. EAGLE-3 decodes with
 `tree_shape="auto"`: the tree the calibration predicts fastest at that batch size on this machine (or plain decoding
 when none pays); with `fixed_tree`, EAGLE-3 with that fixed shape is timed too (what the calibration's choice is
-checked against). The methods run once per batch size before anything is timed; then, per batch size, they run back
-to back `repetitions` times, and each method's time is the median. Greedy outputs are compared row for row.
+checked against), or alone with `auto=False`. The methods run once per batch size before anything is timed; then, per
+batch size, they run back to back `repetitions` times, and each method's time is the median, as are the draft and
+verification milliseconds per cycle of an EAGLE-3 method (from its `eagle3_stats`). Greedy outputs are compared row
+for row.
 """
 
 import argparse
@@ -48,7 +50,7 @@ def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: 
 
 
 def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens: int, repetitions: int,
-                fixed_tree: tuple[int, int, int] | None = None) -> list[dict]:
+                fixed_tree: tuple[int, int, int] | None = None, auto: bool = True) -> list[dict]:
     texts = [text for pair in zip(prompt_texts("mt-bench"), prompt_texts("humaneval")) for text in pair]
     eos = target.generation_config.eos_token_id
     eos_token_ids = set(eos if isinstance(eos, list) else [eos])
@@ -59,22 +61,23 @@ def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens
         batch = chat_batch(tokenizer, texts[:batch_size])
         width = batch["input_ids"].shape[1]
 
-        methods = {
-            "plain": dict(),
-            "eagle3": dict(assistant_model=draft, tree_shape="auto"),
-        }
+        methods = {"plain": dict()}
+        if auto:
+            methods["eagle3"] = dict(assistant_model=draft, tree_shape="auto")
         if fixed_tree:
             depth, top_k, total_tokens = fixed_tree
             methods["fixed"] = dict(assistant_model=draft, tree_depth=depth, tree_top_k=top_k,
                                     tree_total_tokens=total_tokens)
         for method in methods.values():  # warm-up (and the calibration at this batch size, once per machine)
             target.generate(**batch, **kwargs, **method)
-        times, outputs = {name: [] for name in methods}, {}
+        times, cycle_ms, outputs = {name: [] for name in methods}, {name: [] for name in methods}, {}
         for _ in range(repetitions):
             for name, method in methods.items():
                 start = time.perf_counter()
                 outputs[name] = target.generate(**batch, **kwargs, **method)
                 times[name].append(time.perf_counter() - start)
+                if name != "plain":
+                    cycle_ms[name].append(milliseconds_per_cycle(outputs[name].eagle3_stats))
         # each method's own count: in bfloat16 a row can part from plain decoding at a near-tie and end elsewhere
         tokens = {name: generated_tokens(outputs[name].sequences, width, eos_token_ids) for name in methods}
         speed = {name: tokens[name] / statistics.median(times[name]) for name in methods}
@@ -92,30 +95,50 @@ def run_batches(target, tokenizer, draft, batch_sizes: list[int], max_new_tokens
                 "identical_rows": sum(torch.equal(row, plain_row) for row, plain_row
                                       in zip(outputs[name].sequences, outputs["plain"].sequences)),
                 "shape_choice": stats.shape_choice,
+                **{f"{part}_ms_per_cycle": median_or_none([ms[part] for ms in cycle_ms[name]])
+                   for part in ("draft", "verify")},
             }
         rows.append(row)
     return rows
 
 
+def milliseconds_per_cycle(stats) -> dict[str, float | None]:
+    """Draft and verification milliseconds per cycle of one call (`None` for a call that decoded plainly)."""
+    if not stats.num_cycles or stats.settings is None:
+        return {"draft": None, "verify": None}
+    return {part: 1000 * getattr(stats, f"{part}_seconds") / stats.num_cycles for part in ("draft", "verify")}
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    return None if None in values or not values else statistics.median(values)
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | method | tok/s | speedup | tree | τ | rows equal to plain |", "|---|---|---|---|---|---|---|"]
+    lines = ["| batch | method | tok/s | speedup | tree | τ | draft / verify ms per cycle | rows equal to plain |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['batch_size']} | plain | {row['plain_tokens_per_second']:.1f} | 1.00x | | | |")
+        lines.append(f"| {row['batch_size']} | plain | {row['plain_tokens_per_second']:.1f} | 1.00x | | | | |")
         for name, label in (("eagle3", "EAGLE-3, tree_shape='auto'"), ("fixed", "EAGLE-3, fixed tree")):
             if name in row:
                 method = row[name]
                 # a call that decoded plainly ran plain decoding: its ratio to plain is noise, not a speedup
                 speedup, tau = ((f"{method['speedup']:.2f}x", f"{method['tau']:.2f}") if method["tau"] is not None
                                 else ("plain decoding (no speedup to measure)", "n/a"))
+                split = ("n/a" if method.get("draft_ms_per_cycle") is None
+                         else f"{method['draft_ms_per_cycle']:.1f} / {method['verify_ms_per_cycle']:.1f}")
                 lines.append(f"| {row['batch_size']} | {label} | {row[f'{name}_tokens_per_second']:.1f} | "
-                             f"{speedup} | {method['tree']} | {tau} | {method['identical_rows']}/{row['batch_size']} |")
+                             f"{speedup} | {method['tree']} | {tau} | {split} | "
+                             f"{method['identical_rows']}/{row['batch_size']} |")
     return "\n".join(lines) + "\n"
 
 
 def _run(args: argparse.Namespace) -> None:
+    if not args.auto and not args.fixed_tree:
+        raise ValueError("--no-auto leaves only a fixed tree to time: add --fixed-tree DEPTH TOP_K TOKENS, or drop "
+                         "--no-auto.")
     target, tokenizer, draft = load_models(args)
     rows = run_batches(target, tokenizer, draft, args.batch_sizes, args.max_new_tokens, args.repetitions,
-                       tuple(args.fixed_tree) if args.fixed_tree else None)
+                       tuple(args.fixed_tree) if args.fixed_tree else None, auto=args.auto)
     print(f"{machine_description(target.device)}, {args.dtype}, {torch.get_num_threads()} threads, "
           f"{args.max_new_tokens} new tokens; {PAD_AFTER_STOP}")
     print(markdown_table(rows))
@@ -138,5 +161,7 @@ def register_cli(subparsers) -> None:
                         help="timed runs of each method per batch size, interleaved (the median counts)")
     parser.add_argument("--fixed-tree", type=int_in(1, MAX_TREE_TOKENS), nargs=3, metavar=("DEPTH", "TOP_K", "TOKENS"),
                         help="also time EAGLE-3 with this fixed tree at every batch size")
+    parser.add_argument("--no-auto", dest="auto", action="store_false",
+                        help="time EAGLE-3 with --fixed-tree only, not tree_shape='auto' (no calibration)")
     parser.add_argument("--output", help="write the figures to this JSON file")
     parser.set_defaults(run=_run)
