@@ -751,8 +751,8 @@ trainer.whole_draft = recording
                                     'metadata={"main": str(state.is_main_process), "embedding": " ".join(seen)}')
 
 
-def test_two_fsdp2_processes_train_as_two_ddp_processes_and_keep_the_target_embedding_whole(
-        two_cpu_processes, dataset, target, tmp_path):
+def test_an_fsdp2_launch_on_cpu_trains_data_parallel_as_ddp_with_the_target_embedding_whole(
+        two_cpu_processes, dataset, tmp_path):
     root = two_cpu_processes
     (tmp_path / "train_and_dump.py").write_text(FSDP_TRAIN_AND_DUMP_WEIGHTS)
     argv = train_argv(root / "target", dataset, tmp_path / "run", batch_size=2, max_steps=4,
@@ -761,7 +761,9 @@ def test_two_fsdp2_processes_train_as_two_ddp_processes_and_keep_the_target_embe
                                [str(tmp_path / "train_and_dump.py"), str(tmp_path), *argv], tmp_path,
                                env={"ACCELERATE_USE_CPU": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):  # ignored by FSDP: the target's tensor, whole, frozen, without gradient
+    # accelerate applies FSDP on accelerators only: on CPU (MULTI_CPU) nothing is sharded, and the run is DDP's
+    assert json.loads((tmp_path / "run" / "checkpoint-000004" / "trainer_state.json").read_text())["sharded"] is False
+    for rank in (0, 1):  # the target's tensor, whole, frozen, without gradient
         with safe_open(str(tmp_path / f"rank-{rank}.safetensors"), "pt") as file:
             assert json.loads(file.metadata()["embedding"]) == {"sharded": False, "gradient": False,
                                                                  "trainable": False}
@@ -779,12 +781,6 @@ def test_two_fsdp2_processes_train_as_two_ddp_processes_and_keep_the_target_embe
                                                                                         root / "run"))
         assert sorted(got) == sorted(expected) and "embed_tokens.weight" not in got
         assert all(torch.allclose(got[name], expected[name], atol=1e-5) for name in expected), folder
-    # its checkpoints hold process 0's shard of the optimizer state: they do not resume, they start new runs
-    settings = {name: value for name, value in LAUNCH_SETTINGS.items() if name != "threads"}
-    config = TrainConfig(data=str(dataset), output_dir=str(tmp_path / "run"), batch_size=2, max_steps=6,
-                         precompute_features=str(root / "features"), **settings)
-    with pytest.raises(ValueError, match="was written under FSDP: .* --init-draft"):
-        train(config, resume=True, target=target, progress=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--multi_gpu runs on the GPUs here")
