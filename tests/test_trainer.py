@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import VOCAB, tiny_draft, tiny_target
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import get_cosine_schedule_with_warmup
 
@@ -731,6 +732,57 @@ def test_a_run_resumed_under_accelerate_extends_max_steps_on_the_longer_schedule
         train(replace(config, max_steps=5), resume=True, target=target, progress=False)
 
 
+# The same, recording at each gathering of the draft what the processes hold of its (the target's) token embedding.
+FSDP_TRAIN_AND_DUMP_WEIGHTS = """
+import json, sys
+from torch.distributed.tensor import DTensor
+from hf_eagle3.training import trainer
+
+gather, seen = trainer.whole_draft, set()
+
+def recording(accelerator, ttt):
+    weight = accelerator.unwrap_model(ttt).draft.embed_tokens.weight
+    seen.add(json.dumps({"sharded": isinstance(weight, DTensor), "gradient": weight.grad is not None,
+                         "trainable": weight.requires_grad}))
+    return gather(accelerator, ttt)
+
+trainer.whole_draft = recording
+""" + TRAIN_AND_DUMP_WEIGHTS.replace('metadata={"main": str(state.is_main_process)}',
+                                    'metadata={"main": str(state.is_main_process), "embedding": " ".join(seen)}')
+
+
+def test_an_fsdp2_launch_on_cpu_trains_data_parallel_as_ddp_with_the_target_embedding_whole(
+        two_cpu_processes, dataset, tmp_path):
+    root = two_cpu_processes
+    (tmp_path / "train_and_dump.py").write_text(FSDP_TRAIN_AND_DUMP_WEIGHTS)
+    argv = train_argv(root / "target", dataset, tmp_path / "run", batch_size=2, max_steps=4,
+                      precompute_features=root / "features")
+    result = accelerate_launch(["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2"],
+                               [str(tmp_path / "train_and_dump.py"), str(tmp_path), *argv], tmp_path,
+                               env={"ACCELERATE_USE_CPU": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    # accelerate applies FSDP on accelerators only: on CPU (MULTI_CPU) nothing is sharded, and the run is DDP's
+    assert json.loads((tmp_path / "run" / "checkpoint-000004" / "trainer_state.json").read_text())["sharded"] is False
+    for rank in (0, 1):  # the target's tensor, whole, frozen, without gradient
+        with safe_open(str(tmp_path / f"rank-{rank}.safetensors"), "pt") as file:
+            assert json.loads(file.metadata()["embedding"]) == {"sharded": False, "gradient": False,
+                                                                 "trainable": False}
+    sharded, data_parallel = (json.loads((run / "history.json").read_text()) for run in (tmp_path / "run",
+                                                                                        root / "run"))
+    assert [sorted(entry) for entry in sharded] == [sorted(entry) for entry in data_parallel]
+    for got, expected in zip(sharded, data_parallel):
+        if "eval" in expected:
+            assert got["eval"]["loss"] == pytest.approx(expected["eval"]["loss"], rel=1e-5)
+            assert got["eval"]["tree_tau"] == pytest.approx(expected["eval"]["tree_tau"])
+        else:
+            assert got["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5)
+    for folder in ("draft", "best", "checkpoint-000004"):  # the whole draft, without the target's embedding
+        got, expected = (load_file(str(run / folder / "model.safetensors")) for run in (tmp_path / "run",
+                                                                                        root / "run"))
+        assert sorted(got) == sorted(expected) and "embed_tokens.weight" not in got
+        assert all(torch.allclose(got[name], expected[name], atol=1e-5) for name in expected), folder
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--multi_gpu runs on the GPUs here")
 def test_a_multi_gpu_launch_without_gpus_is_refused_before_anything_is_written(dataset, target, tmp_path):
     target.save_pretrained(tmp_path / "target")
@@ -759,8 +811,6 @@ def test_accelerate_launch_mixed_precision_is_the_run_s_unless_the_command_says_
 
 
 def safe_open_weights(path):
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as file:
         return file.metadata()["main"], {name: file.get_tensor(name) for name in file.keys()}
 

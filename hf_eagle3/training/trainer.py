@@ -68,6 +68,7 @@ from .data import MANIFEST, Example, dataset_digests, load_dataset
 from .features import TargetFeatures
 from .losses import LOSSES
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
+from .sharding import ignore_shared_embedding, is_sharded, whole_draft
 from .ttt import TrainingTimeTest, target_distribution
 from .vocab import (
     coverage,
@@ -554,6 +555,11 @@ def load_checkpoint(checkpoint: Path, draft, optimizer) -> dict:
 
     The weights must be exactly the draft's trainable tensors, all finite; the training state is read without
     unpickling anything but tensors and plain containers (a crafted file cannot run code)."""
+    trainer_state = json.loads((checkpoint / "trainer_state.json").read_text())
+    if trainer_state.get("sharded"):
+        raise ValueError(f"{checkpoint} was written under FSDP: it holds the whole draft but only process 0's shard "
+                         "of the optimizer state, so it cannot continue the run exactly. Start a new run from its "
+                         f"weights with --init-draft {checkpoint}.")
     weights = load_file(str(checkpoint / "model.safetensors"))
     expected = trainable_state_dict(draft)
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
@@ -576,7 +582,7 @@ def load_checkpoint(checkpoint: Path, draft, optimizer) -> dict:
     torch.set_rng_state(training_state["rng"]["torch"])
     if "cuda" in training_state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(training_state["rng"]["cuda"])
-    return json.loads((checkpoint / "trainer_state.json").read_text())
+    return trainer_state
 
 
 def resume_from_latest(output_dir: Path, draft, optimizer) -> tuple[Path, dict]:
@@ -813,6 +819,10 @@ def train(
     checkpoint = latest_checkpoint(output_dir) if resume else None
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {output_dir}; drop --resume to start a new run.")
+    if resume and is_sharded(accelerator):
+        raise ValueError(f"--resume under FSDP: restoring a sharded optimizer state is not supported. Resume a run "
+                         f"started without FSDP without --use_fsdp, or start a new run from {checkpoint}'s weights "
+                         f"with --init-draft {checkpoint}.")
     if not resume and latest_checkpoint(output_dir) is not None:
         raise FileExistsError(f"{output_dir} already holds checkpoints: pass --resume, or use a new --output-dir.")
     saved = json.loads((output_dir / "train_config.json").read_text()) if resume else {}
@@ -885,6 +895,7 @@ def train(
                              f"--max-steps of at least {state['step']}.")
         _check_same_data(checkpoint, state.get("data_digests"), data_digests, config, allow_data_change)
     state["data_digests"] = data_digests
+    state["sharded"] = is_sharded(accelerator)  # its checkpoints hold process 0's shard of the optimizer state
     if accelerator.is_main_process:
         (output_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
     # The learning rate is a function of the step and the run's length: at step `state["step"]` of a run of
@@ -893,6 +904,7 @@ def train(
     # once per process.
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, total_steps,
                                                 last_epoch=state["step"] - 1)
+    ignore_shared_embedding(accelerator, ttt)
     ttt, optimizer = accelerator.prepare(ttt, optimizer)
 
     features = TargetFeatures(target, draft_config.target_layer_ids, config.precompute_features)
@@ -911,11 +923,11 @@ def train(
 
     tree_prompts = held_out_prompts(eval_examples[: config.eval_tree_prompts], target.device)[rank::world_size]
 
-    def run_evaluation():
+    def run_evaluation(current: Eagle3DraftModel):
         summary = evaluate(held_out_ttt, features, eval_examples, eval_batches, "eval", accelerator)
         if summary and config.eval_tree_prompts:
             summary["tree"] = EVAL_TREE
-            summary["tree_tau"] = tree_tau(accelerator.unwrap_model(ttt).draft, target, tree_prompts, accelerator)
+            summary["tree_tau"] = tree_tau(current, target, tree_prompts, accelerator)
         return summary
 
     def training_batches():  # this process's batches from the data position on, epoch after epoch
@@ -974,27 +986,30 @@ def train(
             state["history"].append({"step": state["step"], "train_loss": loss, "train_accuracy": accuracies,
                                      "lr": scheduler.get_last_lr()[0], "tokens": state["tokens"],
                                      "tokens_per_second": state["tokens"] / state["train_seconds"]})
-        if state["step"] % config.eval_every == 0 or state["step"] == total_steps:
-            summary = run_evaluation()
+        evaluating = state["step"] % config.eval_every == 0 or state["step"] == total_steps
+        saving = state["step"] % config.save_every == 0 or state["step"] == total_steps
+        current = whole_draft(accelerator, ttt) if evaluating or saving else None  # all processes, under FSDP
+        if evaluating:
+            summary = run_evaluation(current)
             if summary:
                 best = selection_tau(summary) > max((selection_tau(entry["eval"]) for entry in state["history"]
                                                      if "eval" in entry), default=0.0)
                 state["history"].append({"step": state["step"], "eval": summary | {"best": best}})
                 if best and accelerator.is_main_process:
-                    save_best_draft(output_dir, accelerator.unwrap_model(ttt).draft)
+                    save_best_draft(output_dir, current)
                 if accelerator.is_main_process:  # above the progress bar, not onto it
                     tqdm.write(f"step {state['step']}: held-out n-α {' '.join(f'{a:.2f}' for a in summary['alpha'])}, "
                                f"chain τ {summary['chain_tau']:.2f}"
                                + (f", τ at the reference tree {summary['tree_tau']:.2f}"
                                   if summary.get("tree_tau") else ""))
-        if accelerator.is_main_process and (state["step"] % config.save_every == 0 or state["step"] == total_steps):
-            save_checkpoint(output_dir, accelerator.unwrap_model(ttt).draft, optimizer, state, config.keep_checkpoints)
+        if accelerator.is_main_process and saving:
+            save_checkpoint(output_dir, current, optimizer, state, config.keep_checkpoints)
             (output_dir / "history.json").write_text(json.dumps(state["history"], indent=1))
             plot_history(state["history"], output_dir / "training.png", config.step_decay)
         accelerator.wait_for_everyone()
     bar.close()
 
-    draft = accelerator.unwrap_model(ttt).draft
+    draft = whole_draft(accelerator, ttt)
     if accelerator.is_main_process:
         record_acceptance_profile(draft, target, eval_examples[: config.profile_prompts], show_progress)
         save_draft(draft, output_dir / "draft", getattr(torch, config.save_dtype))
