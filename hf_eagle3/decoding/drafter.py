@@ -7,7 +7,9 @@ from transformers.cache_utils import DynamicCache
 
 from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..utils.transformers_api import crop_cache
 from .ngram import merge_continuation
+from .static_draft import StaticDraft, padded, spanning
 from .tree import DraftTree, build_tree, expand, select_frontier
 from .verify import sample
 
@@ -86,15 +88,19 @@ class Eagle3Drafter:
     hides the entries a row did not fill, as the target's cache does in the decoding loop.
 
     With `sampling_temperature` set and `top_k == 1`, each chain is sampled from the draft's distributions (returned
-    with the tree for `verify`); otherwise candidates are the draft's top-k.
+    with the tree for `verify`); otherwise candidates are the draft's top-k. With `static` (a call whose forwards are
+    compiled), the cache is static and the forwards keep fixed shapes (`static_draft`).
     """
 
-    def __init__(self, draft: Eagle3DraftModel, settings: TreeSettings, sampling_temperature: float | None = None):
+    def __init__(self, draft: Eagle3DraftModel, settings: TreeSettings, sampling_temperature: float | None = None,
+                 static: StaticDraft | None = None):
         self.draft = draft
         self.settings = settings
         self.sample_chain = sampling_temperature is not None and settings.top_k == 1
         self.temperature = sampling_temperature
-        self.cache = DynamicCache()
+        self.static = static
+        self.cache = DynamicCache() if static is None else static.cache(draft)
+        self.cached = 0  # entries the cache holds (its write position), kept on the host
         self.visible: torch.Tensor | None = None  # [b, P] bool: the cache entries of verified positions a row filled
         self.draft_to_target = draft.draft_to_target  # [V_d]
         self.root_hidden: torch.Tensor | None = None  # [b, 1, k] draft output at each row's last verified position
@@ -108,16 +114,23 @@ class Eagle3Drafter:
                fed: torch.Tensor) -> None:
         """Feed verified positions: `next_tokens` `[b, m]` (the token after each position), the target's features
         `[b, m, 3 k_t]`, their positions `[b, m]` and which of them each row feeds (`fed` `[b, m]` bool; a row's
-        last fed position becomes its root)."""
-        self.cache.crop(self.num_verified - self.cache.get_seq_length())
-        batch, length = fed.shape
+        last fed position becomes its root). With `static`, a cycle's positions are fed padded to `static.width`."""
+        self._rewind()
+        forward, length = self.draft, fed.shape[1]
         visible = fed if self.visible is None else torch.cat([self.visible, fed], dim=1)
+        keys = visible  # [b, P + m]: the entries the fed positions see, before the causal mask
+        if self.static is not None and length <= self.static.width:  # the captured shape (not the prompt's)
+            forward, length = self.static.forward, self.static.width
+            next_tokens, target_features, positions, fed = (padded(tensor, length) for tensor in
+                                                            (next_tokens, target_features, positions, fed))
+            keys = padded(visible, self.num_verified + length)
         causal = torch.ones(length, length, dtype=torch.bool, device=fed.device).tril()
-        mask = visible[:, None, :].expand(-1, length, -1).clone()  # [b, m, P + m]
+        mask = keys[:, None, :].expand(-1, length, -1).clone()  # [b, m, P + m]
         mask[:, :, -length:] &= causal
-        output = self.draft(input_ids=next_tokens, hidden_states=target_features.to(self.draft.dtype),
-                            position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
-                            logits_to_keep=positions.new_empty(0))  # only the roots' logits, below
+        output = forward(input_ids=next_tokens, hidden_states=target_features.to(self.draft.dtype),
+                         position_ids=positions, attention_mask=self._spanning(mask[:, None]), cache=self.cache,
+                         logits_to_keep=positions.new_empty(0))  # only the roots' logits, below
+        self.cached += length
         self.visible = visible
         offsets = torch.arange(length, device=fed.device)
         last = torch.where(fed, offsets, -1).max(-1).values  # [b]
@@ -139,7 +152,8 @@ class Eagle3Drafter:
         end, with `[b, M]` log acceptance rates of their positions) into the candidates, and keep each row's best
         `settings.total_tokens` of them."""
         top_k, device = self.settings.top_k, self.root_logits.device
-        batch = root_tokens.shape[0]
+        batch, forward = root_tokens.shape[0], self.draft if self.static is None else self.static.forward
+        self._rewind()
         scores, draft_ids, probs = self._children(self.root_logits[:, None], root_tokens.new_zeros(batch, 1).float(),
                                                   top_k)  # [b, 1, k]
         candidate_tokens, candidate_scores = [draft_ids[:, 0]], [scores[:, 0]]  # [b, k] each
@@ -155,11 +169,12 @@ class Eagle3Drafter:
         num_candidates = top_k
         for depth in range(2, self.settings.depth + 1):
             visible = torch.cat([self.visible[:, None, :].expand(-1, top_k, -1), ancestry, eye], dim=-1)
-            output = self.draft(
+            output = forward(
                 input_ids=self.draft_to_target[frontier_ids], hidden_states=frontier_hidden,
                 position_ids=(root_positions + depth - 2)[:, None].expand(-1, top_k),
-                attention_mask=visible[:, None], cache=self.cache,
+                attention_mask=self._spanning(visible[:, None]), cache=self.cache,
             )
+            self.cached += top_k
             child_scores, child_ids, probs = self._children(output.logits, frontier_scores, top_k)  # [b, k, k]
             candidate_tokens.append(child_ids.flatten(1))
             candidate_scores.append(child_scores.flatten(1))
@@ -193,6 +208,17 @@ class Eagle3Drafter:
         if not self.sample_chain:
             return DraftProposal(tree, None, None, continuation_nodes)
         return _sampled_chain_proposal(tree, torch.stack(sampled_probs, dim=1), continuation_nodes)
+
+    def _rewind(self) -> None:
+        """Move the cache's write position back to the verified entries: past them it holds the last tree's entries
+        or a feed's padding, which the next forward overwrites (a static cache) or which are dropped (a dynamic one)."""
+        if self.cached > self.num_verified:
+            crop_cache(self.cache, self.num_verified - self.cached)
+            self.cached = self.num_verified
+
+    def _spanning(self, mask: torch.Tensor) -> torch.Tensor:
+        """`mask` over every entry of a static cache; a dynamic cache's as it is."""
+        return mask if self.static is None else spanning(mask, self.static.length)
 
     def _children(
         self, logits: torch.Tensor, frontier_scores: torch.Tensor, top_k: int

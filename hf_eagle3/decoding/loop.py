@@ -32,7 +32,8 @@ from .compiled import compiled_forward
 from .drafter import DraftProposal
 from .online import Decision, OnlineCheck
 from .proposer import Eagle3Proposer, Emitted, PlainProposer, Verified
-from .settings import DecodingSettings
+from .settings import DecodingSettings, in_blocks
+from .static_draft import StaticDraft
 from .stats import Eagle3GenerateOutput, Eagle3GenerationStats, Stopwatch
 from .target_attention import TargetAttention
 from .verify import (
@@ -71,6 +72,7 @@ class Run:
     temperature: float | None  # sampling temperature; `None` for greedy decoding
     record_cycles: bool
     static_length: int | None  # a static cache's length, which every verification mask spans
+    static_draft: StaticDraft | None  # the draft's fixed-shape step, where the forwards are compiled
     batch_size: int
     device: torch.device  # where the loop's tensors live: the prompt's device (a target's layers may be elsewhere)
     streamer: object
@@ -116,6 +118,7 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
     # an accelerator, or `compile_config._compile_all_devices`), one graph per tree size.
     compiled = compiles_forwards(model, model_kwargs, generation_config)
     forward = compiled_forward(model, generation_config.compile_config) if compiled else model
+    static_draft = draft_static_step(draft, settings, generation_config) if compiled else None
     draft.attach_target(model)
     do_sample = generation_config.do_sample
     return_dict = generation_config.return_dict_in_generate
@@ -132,7 +135,8 @@ def _start(model, draft: Eagle3DraftModel, settings: DecodingSettings, layer_ids
         model, forward, draft, settings, attention, layer_ids, draft.draft_to_target, logits_processor,
         per_row(logits_processor, batch_size), stopping,
         temperature=(generation_config.temperature or 1.0) if do_sample else None,
-        record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, batch_size=batch_size,
+        record_cycles=not do_sample and record_greedy_cycles, static_length=static_length, static_draft=static_draft,
+        batch_size=batch_size,
         device=input_ids.device, streamer=streamer, stats=stats,
         stopwatch=Stopwatch(stats, input_ids.device, measured=measured),
     )
@@ -167,7 +171,7 @@ def prefill(run: Run, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[list
             row.emit([first_tokens[row.index]], next_tokens[row.index, None], next_scores[row.index, None],
                      next_logits[row.index, None], run.stopping)
         proposer = Eagle3Proposer(run.draft, run.settings.tree, run.temperature, run.settings.ngram_candidates,
-                                  [row.host_tokens[start:] for row, start in zip(rows, starts)])
+                                  [row.host_tokens[start:] for row, start in zip(rows, starts)], run.static_draft)
         proposer.accepted(Verified(key_positions[:, cached:], features, followers, visible[:, cached:]))
     if run.streamer is not None:
         for row in rows:
@@ -377,6 +381,21 @@ def _right_padded(tokens: torch.Tensor, length: int, pad_token: torch.Tensor | N
     if tokens.numel() == length:
         return tokens
     return torch.cat([tokens, pad_token.to(tokens).expand(length - tokens.numel())])
+
+
+def draft_static_step(draft: Eagle3DraftModel, settings: DecodingSettings, generation_config) -> StaticDraft | None:
+    """The draft's fixed-shape step for a call whose forwards are compiled, compiled as the target's verification: a
+    static cache for `max_length` tokens and a tree after them (in blocks, as the target's), each cycle fed padded to
+    the longest accepted path and its bonus token (`static_draft`). `None` for a draft with sliding-window layers,
+    which drafts eagerly: its window mask reads the draft cache's length on the host."""
+    if draft.config.sliding_window is not None:
+        logger.warning_once("A draft with sliding-window layers drafts eagerly on the compiled path (its window mask "
+                            "reads the draft cache's length on the host): only the target's verification is compiled.")
+        return None
+    tree, continuation = settings.tree, draft.config.ngram_max_tokens if settings.ngram_candidates else 0
+    width = min(max(tree.depth, continuation), tree.total_tokens) + 1
+    length = in_blocks(generation_config.max_length + max(width, (tree.depth - 1) * tree.top_k))
+    return StaticDraft(compiled_forward(draft, generation_config.compile_config), length, width)
 
 
 def sized_static_cache(model, cache, generation_config, settings: DecodingSettings):

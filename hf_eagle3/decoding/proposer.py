@@ -19,6 +19,7 @@ import torch
 from ..modeling_eagle3 import Eagle3DraftModel
 from .drafter import DraftProposal, Eagle3Drafter, TreeSettings
 from .ngram import ContextIndex, ContinuationAcceptance
+from .static_draft import StaticDraft
 from .tree import root_only
 
 
@@ -65,11 +66,11 @@ class Proposer(Protocol):
 class Eagle3Proposer:
     """The EAGLE-3 draft's trees for a batch of sequences, with their context n-gram continuations when
     `ngram_candidates`; `contexts` are the rows' tokens so far, from where each row's context begins (left padding is
-    no context)."""
+    no context). With `static`, the draft's forwards keep fixed shapes (a call whose forwards are compiled)."""
 
     def __init__(self, draft: Eagle3DraftModel, settings: TreeSettings, sampling_temperature: float | None,
-                 ngram_candidates: bool, contexts: list[list[int]]):
-        self.drafter = Eagle3Drafter(draft, settings, sampling_temperature)
+                 ngram_candidates: bool, contexts: list[list[int]], static: StaticDraft | None = None):
+        self.drafter = Eagle3Drafter(draft, settings, sampling_temperature, static)
         self.max_match, self.max_continuation = draft.config.ngram_max_match, draft.config.ngram_max_tokens
         self.contexts = [ContextIndex(self.max_match, tokens) for tokens in contexts] if ngram_candidates else None
         self.continuation_acceptance = [ContinuationAcceptance.prior(self.max_match)] * len(contexts)

@@ -64,7 +64,12 @@ def static_cache_length(cache, max_length: int, tree_tokens: int) -> int | None:
     needed, own = max_length + tree_tokens, cache.layers[0].max_cache_len
     if own >= needed or cache.get_seq_length():
         return own
-    return -(-needed // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK
+    return in_blocks(needed)
+
+
+def in_blocks(length: int) -> int:
+    """`length` rounded up to a multiple of `STATIC_CACHE_BLOCK`: calls of similar lengths share compiled graphs."""
+    return -(-length // STATIC_CACHE_BLOCK) * STATIC_CACHE_BLOCK
 
 
 def resolve_settings(model, draft: Eagle3DraftModel, generation_config, call: dict, batch_size: int,
