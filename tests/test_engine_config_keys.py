@@ -31,9 +31,10 @@ OPTIMUM_INTEL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM
 # layout, which OpenVINO GenAI replaces with the target's (`share_vocabulary`, eagle3_model_transforms.cpp:144).
 OPTIMUM_INTEL_DRAFT_MODULES = ("midlayer", "fc", "norm", "lm_head", "d2t", "t2d")
 # OpenVINO GenAI 2026.4.1 (its wheel is compiled; the source read is openvino.genai commit da1db864d, whose messages
-# the wheel's library carries): `draft_model(DIR, "CPU", hidden_layers_list=[...])` sets the target layers
-# (src/cpp/src/speculative_decoding/eagle3_model_transforms.cpp:33-38), as does the exported draft's rt_info
-# (:78-85), which optimum-intel 2.2.0 never writes (it writes `eagle3_mode` only: convert.py:936).
+# the wheel's library carries): the exported draft's rt_info `hidden_layers_list` sets the target layers
+# (src/cpp/src/speculative_decoding/eagle3_model_transforms.cpp:78-85), which optimum-intel 2.2.0 never writes (it
+# writes `eagle3_mode` only: convert.py:936); so does the `draft_model` property (:33-38), which refuses Python's list
+# (64-bit integers: "hidden_layers_list must be a vector of int32_t values", :35).
 OPENVINO_LAYERS_PROPERTY = "hidden_layers_list"
 
 

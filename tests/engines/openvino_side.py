@@ -5,8 +5,7 @@ each EAGLE-3 call.
 
     python openvino_side.py JOB.json plain|eagle3
 
-The job's `hidden_layers_list` is given to the draft as that property (outputs of target layers); null leaves
-OpenVINO GenAI's default, {2, N/2, N-3}.
+The draft's target layers are in its exported model's rt_info (`hidden_layers_list`, which run.py writes).
 """
 
 import json
@@ -28,10 +27,7 @@ def main(job_file: str, method: str) -> None:
     config.do_sample = False
     properties = dict(FLOAT32)
     if method == "eagle3":
-        draft_properties = dict(FLOAT32)
-        if job["hidden_layers_list"] is not None:
-            draft_properties["hidden_layers_list"] = job["hidden_layers_list"]
-        properties["draft_model"] = openvino_genai.draft_model(job["draft"], "CPU", **draft_properties)
+        properties["draft_model"] = openvino_genai.draft_model(job["draft"], "CPU", **FLOAT32)
         config.tree_depth, config.branching_factor = job["tree_depth"], job["branching_factor"]
         config.num_assistant_tokens = job["num_assistant_tokens"]
     pipe = openvino_genai.LLMPipeline(job["target"], "CPU", **properties)
@@ -44,7 +40,7 @@ def main(job_file: str, method: str) -> None:
         seconds.append(time.perf_counter() - start)
         tokens.append(list(output.tokens[0]))
         if method == "eagle3":  # one main-model inference per verification, after the prompt's
-            metrics = output.extended_perf_metrics
+            metrics = output.extended_perf_metrics  # SDPerModelsPerfMetrics
             forwards.append(len(metrics.main_model_metrics.raw_metrics.m_durations))
             accepted.append(metrics.get_num_accepted_tokens())
     print(RESULT + json.dumps({"tokens": tokens, "seconds": seconds, "forwards": forwards, "accepted": accepted}),

@@ -38,7 +38,10 @@ VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
 VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 ENGINES = ["vllm", "llama.cpp", "openvino", "hf-eagle3"]
 OPENVINO_VENV = cache_dir() / "engines" / "openvino-venv"
-OPENVINO_REQUIREMENTS = ["torch==2.13.0", "openvino-genai==2026.4.1", "optimum-intel[openvino]==2.2.0"]
+# The draft's export loads optimum-intel's model_patcher.py as remote code, and transformers refuses remote code whose
+# imports are missing: einops and diffusers (0.39.0, the last to accept optimum-intel's huggingface-hub < 1.22).
+OPENVINO_REQUIREMENTS = ["torch==2.13.0", "openvino-genai==2026.4.1", "optimum-intel[openvino]==2.2.0", "einops",
+                         "diffusers==0.39.0"]
 OPENVINO_SIDE = Path(__file__).with_name("openvino_side.py")
 # `draft_model(DIR, ...)` builds a tokenizer from DIR: the draft's export gets the target's.
 OPENVINO_TOKENIZER_FILES = ["openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
@@ -109,6 +112,17 @@ def _eagle_config_layers(draft_folder: Path) -> list[int]:
     """`eagle_config`'s target layers (outputs of layers), the numbering of OpenVINO GenAI's `hidden_layers_list`."""
     config = json.loads((draft_folder / "config.json").read_text())
     return config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def _openvino_draft_layers(model_xml: Path, layers: list[int]) -> None:
+    """Writes `layers` as the exported draft's `hidden_layers_list` rt_info, beside the `eagle3_mode` optimum-intel
+    writes: OpenVINO GenAI reads it there (from Python the `draft_model` property is refused: a list arrives as
+    64-bit integers, "hidden_layers_list must be a vector of int32_t values")."""
+    mode = '<eagle3_mode value="True" />'
+    text = model_xml.read_text()
+    if text.count(mode) != 1:
+        raise RuntimeError(f"{model_xml} has no single {mode}: not an EAGLE-3 draft exported by optimum-intel")
+    model_xml.write_text(text.replace(mode, f'{mode}<hidden_layers_list value="{" ".join(map(str, layers))}" />'))
 
 
 def llama_cpp_binaries() -> Path:
@@ -248,10 +262,10 @@ def main() -> None:
             ov_draft = openvino_export(Path(folder) / "draft", Path(folder) / "ov-draft", "--trust-remote-code")
             for name in OPENVINO_TOKENIZER_FILES:
                 shutil.copy(ov_target / name, ov_draft / name)
+            _openvino_draft_layers(ov_draft / "openvino_model.xml", _eagle_config_layers(Path(folder) / "draft"))
             job = {"target": str(ov_target), "draft": str(ov_draft), "prompts": prompts,
                    "max_new_tokens": args.max_new_tokens, "tree_depth": tree["tree_depth"],
-                   "branching_factor": tree["tree_top_k"], "num_assistant_tokens": tree["tree_total_tokens"],
-                   "hidden_layers_list": _eagle_config_layers(Path(folder) / "draft")}
+                   "branching_factor": tree["tree_top_k"], "num_assistant_tokens": tree["tree_total_tokens"]}
             job_file = Path(folder) / "openvino-job.json"
             job_file.write_text(json.dumps(job))
             results |= {name: run_openvino(job_file, method) for name, method in
