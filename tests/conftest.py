@@ -72,7 +72,8 @@ COMPAT_TESTS = {
     "static cache": ["test_generation.py::test_static_cache_is_lossless[tree]",
                      "test_prefilled_cache.py::test_a_cache_holding_a_prefix_continues_exactly_as_plain_generate"
                      "[tree-static]"],
-    "compiled draft": ["test_compiled_draft.py::test_greedy_decoding_with_the_compiled_draft_equals_plain_decoding[tree]"],
+    "compiled draft": ["test_compiled_draft.py::test_greedy_decoding_with_the_compiled_draft_equals_plain_decoding"
+                       "[tree]"],
     "train step": ["test_trainer.py::test_a_draft_of_two_decoder_layers_trains_saves_them_and_decodes_as_plain_greedy"],
     "convert": ["test_conversion_cli.py::test_cli_reads_the_target_config",
                 "test_served_layout.py::test_from_pretrained_reads_back_the_same_draft[variant0-dtype0]"],
