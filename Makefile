@@ -31,8 +31,9 @@ test: lint
 interop: $(BIN)/hf-eagle3
 	$(BIN)/python tests/interop/run.py
 
-# the shipped draft, as save_pretrained writes it, served by vLLM CPU against hf-eagle3 (docs/interop.md); builds vLLM's
-# own virtualenv under the user cache from the registry on first use
+# the shipped draft, as save_pretrained writes it, served by vLLM CPU, llama.cpp and OpenVINO GenAI against hf-eagle3
+# (docs/interop.md); builds each engine under the user cache on first use (vLLM's and OpenVINO GenAI's virtualenvs
+# from the registry, llama.cpp from the llama-cpp-python sdist), which `hf-eagle3 bench`'s engine methods then run
 engines: $(BIN)/hf-eagle3
 	$(BIN)/python tests/engines/run.py
 

@@ -23,6 +23,8 @@ LAYERS = [
     ("decoding", ["hf_eagle3.decoding", "hf_eagle3.generation"]),
     # models and prompt sets by name, what training and commands load (`hf_eagle3.smollm2`: its earlier import path)
     ("resources", ["hf_eagle3.resources", "hf_eagle3.smollm2"]),
+    # the engines users deploy, in processes of their own, as `hf-eagle3 bench` methods and `make engines` run them
+    ("engines", ["hf_eagle3.engines"]),
     ("training", ["hf_eagle3.training"]),
     ("publishing", ["hf_eagle3.publishing", "hf_eagle3.model_cards"]),
     ("commands", ["hf_eagle3.commands"]),
