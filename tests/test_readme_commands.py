@@ -51,6 +51,8 @@ NOT_RUN = {
     "bench-attention": "Llama-3.1-8B-shaped layers (GBs of memory); tests/test_grouped_attention.py covers it",
     "bench-train-step": "a Llama-3.1-8B-shaped draft (GBs of memory); tests/test_trainer.py covers the step",
     "bench --verification-cost": "left out for time: tests/test_bench.py measures every layout on a tiny target",
+    "bench --methods plain chain llama.cpp": "the engines are built by `make engines` (minutes, GBs) and read no tiny "
+                                             "target; tests/test_bench_engines.py runs llama.cpp where it is built",
     "tune-tree --recalibrate": "left out for time: `tune-tree` above measured these costs (test_calibration.py)",
 }
 

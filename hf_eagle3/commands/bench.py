@@ -27,6 +27,9 @@ predicted speedup (from the acceptance profile's τ for the set, where the profi
 prompts) and the speedup the cost model gives at the τ measured on the set, which separates an error of the machine
 costs from a set whose τ differs from the profile's.
 
+The engines users deploy (vLLM, llama.cpp, OpenVINO GenAI) join as methods, each in a process of its own, greedy and
+in float32, their EAGLE-3 checked against their own plain decoding (`bench_engines`).
+
 `--cpu-layout` runs every method with the models' linear layers laid out by `hf_eagle3.optimize` (the layout
 measured fastest here); with `--verification-cost` it measures the forwards in every layout instead, interleaved, and
 tables them side by side.
@@ -36,7 +39,9 @@ import argparse
 import copy
 import json
 import statistics
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -48,6 +53,7 @@ from ..configuration_eagle3 import MAX_TREE_DEPTH, MAX_TREE_TOKENS
 from ..decoding.calibration import TreeChoice, choose_tree, machine_description, verification_cost
 from ..decoding.cpu_layout import LAYOUTS, onednn_packs, optimize, standard_layout, weight_layout
 from ..decoding.stats import CYCLE_PARTS, Eagle3RowStats
+from ..engines import ENGINE_METHODS, engine_method
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..publishing.results import settings_description
 from ..resources.loading import PROMPT_SETS, add_model_arguments, load_models, load_prompt_set, prompt_set_packages
@@ -55,6 +61,7 @@ from ..utils.extras import require
 from ..utils.fingerprint import draft_identity
 from ..utils.options import MAX_NEW_TOKENS, MAX_PROMPTS, MAX_REPETITIONS, float_in, int_in
 from ..utils.transformers_api import compile_on_every_device
+from .bench_engines import EngineMethod, check_engine_methods, engine_entry, engine_record, start_engines
 
 NEAR_TIE_LOGITS = {torch.float32: 1e-3, torch.float16: 1.0, torch.bfloat16: 1.0}
 
@@ -77,8 +84,8 @@ def compiled_kwargs(max_cache_len: int | None = None) -> dict:
 
 @dataclass(frozen=True)
 class Method:
-    """One way of decoding: plain, prompt lookup, compiled plain, or EAGLE-3 with a tree shape (`top_k == 1`:
-    chain), with or without context n-gram candidates."""
+    """One way of decoding: plain, prompt lookup, compiled plain, EAGLE-3 with a tree shape (`top_k == 1`: chain),
+    with or without context n-gram candidates, or an engine's (`bench_engines`)."""
 
     name: str
     generate_kwargs: dict
@@ -87,6 +94,10 @@ class Method:
     @property
     def is_eagle3(self) -> bool:
         return "tree_top_k" in self.generate_kwargs or "tree_shape" in self.generate_kwargs
+
+    @property
+    def is_engine(self) -> bool:
+        return engine_method(self.name) is not None
 
     @property
     def is_auto(self) -> bool:
@@ -105,11 +116,12 @@ def methods_from_names(
     """`plain`, `plain:DTYPE` (plain decoding with the target in `DTYPE`: float32, bfloat16 or float16),
     `prompt-lookup`, `compiled` (plain decoding with a static cache and `torch.compile`), `chain`, `tree`
     (the fixed shape `depth` x `top_k` x `total_tokens`), `tree:DEPTHxTOPKxTOTAL` for a tree of another shape, or
-    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays);
-    `compiled` methods size their static cache to `max_cache_len` tokens. An
-    EAGLE-3 method decodes with the draft's `ngram_candidates` setting; the suffix `+ngram` puts context n-gram
-    candidates in its trees, `-ngram` leaves them out, `+exact` verifies with `exact_attention=True`, and `+compiled`
-    verifies as `compiled` decodes, with a static cache and `torch.compile` (suffixes in that order)."""
+    `auto` (`tree_shape="auto"`: the shape calibrated for this machine, or plain decoding where no tree pays), or an
+    engine's (`ENGINE_METHODS`: `vllm`, `vllm+eagle3`, ...); `compiled` methods size their static cache to
+    `max_cache_len` tokens. An EAGLE-3 method decodes with the draft's `ngram_candidates` setting; the suffix `+ngram`
+    puts context n-gram candidates in its trees, `-ngram` leaves them out, `+exact` verifies with
+    `exact_attention=True`, and `+compiled` verifies as `compiled` decodes, with a static cache and `torch.compile`
+    (suffixes in that order)."""
     methods = []
     for name in names:
         eagle3_name, compiled = name.removesuffix("+compiled"), name.endswith("+compiled")
@@ -127,6 +139,8 @@ def methods_from_names(
             methods.append(Method(name, {"prompt_lookup_num_tokens": 10}))
         elif name == "compiled":
             methods.append(Method(name, compiled_kwargs(max_cache_len)))
+        elif name in ENGINE_METHODS:
+            methods.append(Method(name, {}))
         elif eagle3_name == "auto":
             methods.append(Method(name, {"tree_shape": "auto", "exact_attention": exact} | ngram | static))
         elif eagle3_name == "chain" or eagle3_name == "tree" or eagle3_name.startswith("tree:"):
@@ -141,8 +155,8 @@ def methods_from_names(
         else:
             raise ValueError(
                 f"Unknown method {name!r}: use plain, plain:float32 / plain:bfloat16 / plain:float16, prompt-lookup, "
-                "compiled, chain, tree, tree:DxKxN or auto "
-                "(EAGLE-3 methods may end in +ngram or -ngram, then +exact or +compiled)."
+                f"compiled, chain, tree, tree:DxKxN or auto (EAGLE-3 methods may end in +ngram or -ngram, then +exact "
+                f"or +compiled), or an engine's: {', '.join(ENGINE_METHODS)}."
             )
     if methods[0].name != "plain":
         raise ValueError("The first method must be `plain`: speedups and output checks are measured against it.")
@@ -204,9 +218,11 @@ def run_benchmark(
     sampling: dict | None = None,
     progress: bool = True,
     records_path: Path | None = None,
+    engines: dict[str, EngineMethod] | None = None,
 ) -> dict:
     """Time every method on every prompt (interleaved); returns `{"summary": ..., "records": ...}`. Each prompt's
-    records are also appended to `records_path` (JSON lines) as soon as they are measured."""
+    records are also appended to `records_path` (JSON lines) as soon as they are measured. The engine methods
+    decode in the processes of `engines` (`bench_engines.start_engines`), by method name; they time themselves."""
     from tqdm.auto import tqdm
 
     base_kwargs = {"max_new_tokens": max_new_tokens, **(sampling or {"do_sample": False})}
@@ -221,6 +237,9 @@ def run_benchmark(
               if method.dtype is not None and method.dtype != target.dtype}
 
     def decode(method: Method, input_ids: torch.Tensor):
+        if method.is_engine:
+            output = engines[method.name].runner.generate(input_ids[0].tolist(), max_new_tokens)
+            return output.seconds, output, None
         assistant = {"assistant_model": draft} if method.is_eagle3 else {}
         model = copies.get(method.dtype, target)
         start = time.perf_counter()
@@ -240,6 +259,13 @@ def run_benchmark(
                for method in methods if method.is_auto}
 
     records, call_choices = [], {}
+
+    def keep(record: dict) -> None:
+        records.append(record)
+        if records_path is not None:
+            with open(records_path, "a") as file:
+                file.write(json.dumps(record) + "\n")
+
     bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), disable=not progress, desc="bench")
     for set_name, prompts in prompt_sets.items():
         for index, input_ids in enumerate(prompts):
@@ -249,9 +275,15 @@ def run_benchmark(
                 for method in methods:
                     seconds, outputs[method.name], stats[method.name] = decode(method, input_ids)
                     times[method.name].append(seconds)
-            sequences = {name: output.sequences if greedy else output for name, output in outputs.items()}
+            sequences = {method.name: outputs[method.name].sequences if greedy else outputs[method.name]
+                         for method in methods if not method.is_engine}
             plain_output = outputs["plain"]
             for method in methods:
+                if method.is_engine:
+                    record = {"set": set_name, "prompt": index, "method": method.name,
+                              "seconds": statistics.median(times[method.name]), "prompt_tokens": input_ids.shape[1]}
+                    keep(record | engine_record(method.name, outputs, max_new_tokens, engines[method.name]))
+                    continue
                 new_tokens = sequences[method.name].shape[1] - input_ids.shape[1]
                 record = {
                     "set": set_name,
@@ -286,10 +318,7 @@ def run_benchmark(
                         shape=(f"{run.settings.depth}x{run.settings.top_k}x{run.settings.total_tokens}"
                                if run.settings else "plain"),
                     )
-                records.append(record)
-                if records_path is not None:
-                    with open(records_path, "a") as file:
-                        file.write(json.dumps(record) + "\n")
+                keep(record)
             bar.update()
     bar.close()
     return summarise(records, methods, greedy, choices, call_choices)
@@ -362,9 +391,12 @@ def summarise(records: list[dict], methods: list[Method], greedy: bool,
                 "speedup": statistics.median(_tokens_per_second(r) / speed_of["plain"][r["prompt"]] for r in rows),
                 "tokens_per_second": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
                 "prompts": len(rows),
-                "greedy_mismatches": [r["prompt"] for r in rows if greedy and not r["identical_to_plain"]],
+                # an engine's plain decoding, the reference of its EAGLE-3 method, is compared with nothing (None)
+                "greedy_mismatches": [r["prompt"] for r in rows if greedy and r["identical_to_plain"] is False],
                 "near_tie_mismatches": [r["prompt"] for r in rows if r.get("divergence", {}).get("near_tie")],
             }
+            if method.is_engine:
+                entry |= engine_entry(method.name, [r for r in records if r["set"] == set_name], _tokens_per_second)
             if method.is_eagle3:
                 # τ, n-α and the rest over the cycles that verified a drafted tree: not the plain decoding steps of a
                 # call the online check sent on plainly (records written before they were told apart hold none)
@@ -428,6 +460,11 @@ TABLE_LEGEND = """\
   forward, the rest), per target forward after the prefill, plain decoding steps included.
 - **greedy mismatches (near-ties)**: prompts whose greedy output differs from plain decoding's (those where the two
   computations disagree by less than the dtype's rounding on the logit gap of the two tokens).
+- **engine rows** (`vllm`, `llama.cpp`, `openvino`, with their version; `+eagle3`: the draft as `save_pretrained`
+  writes it drafting a chain of the `chain` method's depth): each engine in its own process, greedy, float32, with its
+  own threads, timed by itself after loading (the prompt's forward included) and warmed up like every method. Their
+  speedup is over plain `generate`, and for `+eagle3` also over the engine's own plain decoding; τ is from the
+  engine's own counters; an `+eagle3` output is compared with its engine's plain output, not with `generate`'s.
 """
 
 
@@ -448,7 +485,10 @@ def markdown_table(summary: dict) -> str:
             alphas = (entry.get("n_alpha") or [None] * 3)[:3] + [None] * 3
             split = entry.get("cycle_ms")
             lines.append(
-                f"| {set_name} | {name} | {', '.join(entry.get('shapes', [])) or '-'} | {entry['speedup']:.2f}x | "
+                f"| {set_name} | {name}" + (f" ({entry['engine']})" if "engine" in entry else "")
+                + f" | {', '.join(entry.get('shapes', [])) or '-'} | {entry['speedup']:.2f}x"
+                + (f" ({entry['speedup_over_engine']:.2f}x over {entry['compared_with']})"
+                   if "speedup_over_engine" in entry else "") + " | "
                 + (f"{entry['predicted_speedup']:.2f}x ({100 * entry['prediction_error']:+.0f} %"
                    + (f" against {entry['measured_speedup_over_path_plain']:.2f}x over {entry['prediction_baseline']}"
                       if entry["prediction_baseline"] != "plain" else "") + ") | "
@@ -460,9 +500,19 @@ def markdown_table(summary: dict) -> str:
                 + (f" | {entry['ends_outside_vocabulary']:.0%}" if entry.get("ends_outside_vocabulary") is not None
                    else " | -")
                 + (f" | {split['draft']:.1f} / {split['verify']:.1f} / {split['other']:.1f}" if split else " | -")
-                + f" | {len(entry['greedy_mismatches'])} ({len(entry['near_tie_mismatches'])}) |"
+                + f" | {_mismatches(entry)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _mismatches(entry: dict) -> str:
+    """`2 (1)`: greedy mismatches (near-ties); an engine's against its plain decoding, which is compared with
+    nothing."""
+    if "compared_with" not in entry:
+        return f"{len(entry['greedy_mismatches'])} ({len(entry['near_tie_mismatches'])})"
+    if entry["compared_with"] is None:
+        return "-"
+    return f"{len(entry['greedy_mismatches'])} against {entry['compared_with']}"
 
 
 def save_plots(summary: dict, output_dir: Path, settings: dict | None = None) -> None:
@@ -610,6 +660,7 @@ def draft_record(name_or_path: str, draft: Eagle3DraftModel) -> dict:
 def _run(args: argparse.Namespace) -> None:
     if not args.verification_cost:
         require("`hf-eagle3 bench`", {"matplotlib": "bench", **prompt_set_packages(args.prompts)})
+        check_engine_methods(args.methods, greedy=args.temperature == 0)
     target, tokenizer, draft = load_models(args)
     if args.verification_cost:
         print(verification_cost_report(target, args.verification_cost, draft.config.target_layer_ids,
@@ -623,8 +674,9 @@ def _run(args: argparse.Namespace) -> None:
                    for name in args.prompts}
     longest = max(prompt.shape[1] for prompts in prompt_sets.values() for prompt in prompts) + args.max_new_tokens
     # one static-cache shape for every compiled method and prompt, with room for EAGLE-3's last tree
+    depth = args.tree_depth or draft.config.tree_depth
     methods = methods_from_names(
-        args.methods, args.tree_depth or draft.config.tree_depth, args.tree_top_k or draft.config.tree_top_k,
+        args.methods, depth, args.tree_top_k or draft.config.tree_top_k,
         args.tree_total_tokens or draft.config.tree_total_tokens, max_cache_len=longest + TREE_ROOM,
     )
     methods = _measurable(methods, draft)
@@ -633,8 +685,10 @@ def _run(args: argparse.Namespace) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     records_path = output_dir / "records.jsonl"
     records_path.unlink(missing_ok=True)
-    result = run_benchmark(target, draft, prompt_sets, methods, args.max_new_tokens, args.repetitions,
-                           sampling, records_path=records_path)
+    with tempfile.TemporaryDirectory() as work, ExitStack() as stack:
+        engines = start_engines(args.methods, target, tokenizer, draft, depth, Path(work), stack)
+        result = run_benchmark(target, draft, prompt_sets, methods, args.max_new_tokens, args.repetitions,
+                               sampling, records_path=records_path, engines=engines)
     machine = machine_description(target.device)
     result["settings"] = {key: value for key, value in vars(args).items() if key != "run"} | {
         "machine": machine, "torch_threads": torch.get_num_threads()}
@@ -675,7 +729,9 @@ def register_cli(subparsers) -> None:
                              "machine); EAGLE-3 methods may end in +ngram / -ngram (context n-gram candidates in the "
                              "tree or not; default: the draft's ngram_candidates), then +exact (exact_attention=True: "
                              "greedy outputs bit-identical to plain on CPU) or +compiled (verification through a "
-                             "static cache and torch.compile, as `compiled` decodes)")
+                             "static cache and torch.compile, as `compiled` decodes); the engines, each in its own "
+                             "process (`make engines` builds them): vllm, llama.cpp, openvino, plainly or with "
+                             "+eagle3 (the draft drafting a chain of --tree-depth; greedy, float32)")
     parser.add_argument("--limit", type=int_in(1, MAX_PROMPTS), help="prompts per set (default: all)")
     parser.add_argument("--max-new-tokens", type=int_in(1, MAX_NEW_TOKENS), default=128,
                         help="tokens generated per prompt")
