@@ -1,8 +1,9 @@
 """The engines users deploy, run on this machine as `hf-eagle3 bench` methods and by `make engines`: vLLM, llama.cpp and
 OpenVINO GenAI, each plainly (`vllm`) and with an EAGLE-3 draft (`vllm+eagle3`), greedy, float32. Each engine's module
-has `build()` (what `make engines` runs: its environment under the user cache, from the package registry) and
-`start(target, draft, work, tree, tokenizer)`, which converts the folders into `work` once and returns the method's
-runner: `engine` (its name and version), `generate(prompt, max_new_tokens)` -> `EngineOutput`, and `close()`.
+has `build()` (what `make engines` runs: its environment under the user cache, from the package registry),
+`require_built()` (`EngineNotBuilt`, which names `make engines`, where that environment is missing) and `start(target,
+draft, work, tree, tokenizer)`, which converts the folders into `work` once and returns the method's runner: `engine`
+(its name and version), `generate(prompt, max_new_tokens)` -> `EngineOutput`, and `close()`.
 """
 
 from . import llama_cpp, openvino, vllm
