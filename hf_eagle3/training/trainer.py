@@ -849,7 +849,6 @@ def train(
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     if target is None:
         target = load_run_target(config, dtype, accelerator.device)
-    target.requires_grad_(False)
     train_examples, eval_examples = _split_examples(config)
     _check_data_fits(config, target, train_examples + eval_examples)
     vocabulary_path = output_dir / DRAFT_VOCABULARY_FILE
@@ -873,6 +872,7 @@ def train(
     # the target's parts are enough once every feature file is there; else the whole target computes the missing
     target = target_for_features(target, config, draft_config.target_layer_ids,
                                  {"train": train_examples, "eval": eval_examples}, dtype, accelerator.device)
+    target.requires_grad_(False)
     # a fresh draft's head starts as the target's rows where asked; a grown one's new rows always do (mapped)
     init_head = config.init_head_from_target if initial_draft is None else grows
     draft = build_draft(draft_config, target, draft_token_ids, init_head, config.init_layer_from_target)
