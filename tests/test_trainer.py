@@ -315,6 +315,45 @@ def test_offline_training_reads_the_same_batches_with_workers_across_an_epoch_an
     assert all(torch.equal(got[name], expected[name]) for name in expected)
 
 
+def test_offline_training_on_the_target_s_parts_alone_equals_training_on_the_whole_target(dataset, target, tmp_path):
+    target.save_pretrained(tmp_path / "target", max_shard_size="20KB")  # the decoder layers in shards of their own
+    config = config_for(dataset, tmp_path / "first", target=str(tmp_path / "target"),
+                        precompute_features=str(tmp_path / "features"))
+    train(config, progress=False)  # auto: the features are missing, so the whole target loads and computes them
+    assert len(list((tmp_path / "features").glob("*/*.safetensors"))) == 48
+    train(replace(config, output_dir=str(tmp_path / "whole"), target_weights="whole"), progress=False)
+    index = json.loads((tmp_path / "target" / "model.safetensors.index.json").read_text())["weight_map"]
+    parts_shards = {shard for name, shard in index.items() if ".layers." not in name}
+    for shard in set(index.values()) - parts_shards:  # a run that read them would fail
+        (tmp_path / "target" / shard).write_bytes(b"not a safetensors file")
+    for choice in ("parts", "auto"):  # auto: every feature file is there and nothing decodes
+        train(replace(config, output_dir=str(tmp_path / choice), target_weights=choice), progress=False)
+    histories = [[{key: value for key, value in entry.items() if key != "tokens_per_second"}  # all but the speed
+                  for entry in json.loads((tmp_path / run / "history.json").read_text())]
+                 for run in ("first", "whole", "parts", "auto")]
+    assert all(history == histories[0] for history in histories)  # the loss at every step, every held-out metric
+    expected = draft_weights(tmp_path / "whole")
+    for run in ("first", "parts", "auto"):
+        got = draft_weights(tmp_path / run)
+        assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"eval_tree_prompts": 2}, r"--eval-tree-prompts 2 decodes held-out prompts"),
+    ({"profile_prompts": 2}, r"--profile-prompts 2 decodes held-out prompts"),
+    ({"precompute_features": None}, r"computes the target's features online"),
+    ({"init_layer_from_target": True}, r"--init-layer-from-target copies the target's last decoder layer"),
+    ({}, r"features of 38 of 38 train, 10 of 10 eval conversations are missing"),
+], ids=["tree-tau", "profile", "online", "init-layer", "missing-features"])
+def test_a_run_told_to_load_the_target_s_parts_alone_is_refused_where_it_needs_the_whole_target(
+        dataset, target, tmp_path, overrides, message):
+    target.save_pretrained(tmp_path / "target")
+    config = config_for(dataset, tmp_path / "run", **{"target": str(tmp_path / "target"), "target_weights": "parts",
+                                                      "precompute_features": str(tmp_path / "features")} | overrides)
+    with pytest.raises(ValueError, match=message + r".*--target-weights"):
+        train(config, progress=False)
+
+
 def test_batched_target_features_equal_one_conversation_at_a_time_to_float32_rounding(target):
     torch.manual_seed(0)
     sequences = [torch.randint(1, VOCAB, (length,)).tolist() for length in (30, 13, 9, 5, 3)]
@@ -695,8 +734,9 @@ def test_a_run_resumed_under_accelerate_extends_max_steps_on_the_longer_schedule
 
     run = tmp_path / "run"
     shutil.copytree(two_cpu_processes / "run", run)
+    # the resumed processes load the target's parts alone: every feature file is there, and nothing decodes
     argv = train_argv(two_cpu_processes / "target", dataset, run, batch_size=2, max_steps=6, eval_every=3,
-                      precompute_features=two_cpu_processes / "features")
+                      precompute_features=two_cpu_processes / "features", eval_tree_prompts=0, target_weights="parts")
     result = accelerate_launch(["--multi_gpu", "--num_processes", "2", "-m"], ["hf_eagle3", *argv, "--resume"],
                                tmp_path, env={"ACCELERATE_USE_CPU": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -149,9 +149,7 @@ class TargetFeatures:
         target or for other data are never read back."""
         from tqdm.auto import tqdm
 
-        fingerprint = digest([model_fingerprint(self.target), self.layer_ids,
-                              digest([example.input_ids for example in examples])])
-        directory = self.precomputed_dir / f"{split}-{fingerprint}"
+        directory = self.split_directory(examples, split)
         self.split_dirs[split] = directory
         directory.mkdir(parents=True, exist_ok=True)
         batches = length_batches([len(example.input_ids) for example in examples], batch_tokens)[rank::world_size]
@@ -164,6 +162,18 @@ class TargetFeatures:
                     if not path.exists():
                         writer.put(path, {"features": features.bfloat16().cpu(),
                                           "final_hidden": final_hidden.bfloat16().cpu()})
+
+    def split_directory(self, examples: list[Example], split: str) -> Path:
+        """Where the examples' features are stored: `precomputed_dir/SPLIT-FINGERPRINT/`, the fingerprint covering the
+        target (config and weights), the tapped layers and the examples' tokens."""
+        fingerprint = digest([model_fingerprint(self.target), self.layer_ids,
+                              digest([example.input_ids for example in examples])])
+        return self.precomputed_dir / f"{split}-{fingerprint}"
+
+    def missing(self, examples: list[Example], split: str) -> list[Path]:
+        """The examples' feature files not yet precomputed (all processes' shares)."""
+        directory = self.split_directory(examples, split)
+        return [path for index in range(len(examples)) if not (path := feature_path(directory, index)).exists()]
 
     def batches(self, examples: list[Example], batches: list[list[int]], split: str,
                 workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:

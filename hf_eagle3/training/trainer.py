@@ -8,7 +8,8 @@ One optimizer step:
 
 Target features are computed online by default; `--precompute-features DIR` writes them to disk once (features and
 the target's final hidden state, bf16), each process its share, batched by length (`hf_eagle3.training.features`),
-and reads them back on every epoch.
+and reads them back on every epoch; a run that then neither computes features nor decodes loads only the target's
+embedding, final norm and LM head (`--target-weights`, `hf_eagle3.training.target_weights`).
 
 Runs on CPU or CUDA, in one process or data-parallel under `accelerate launch` (each process reads its own share of
 every round of batches, so N processes with `--batch-size B` train exactly as one process with `--batch-size B
@@ -60,8 +61,9 @@ from ..configuration_eagle3 import Eagle3Config
 from ..decoding.calibration import choose_tree, cpu_info
 from ..decoding.compatibility import adopt_target_layers, check_compatibility, model_name, record_target_special_tokens
 from ..modeling_eagle3 import Eagle3DraftModel
-from ..resources.loading import load_target_model, save_draft
+from ..resources.loading import save_draft
 from ..resources.smollm2 import SMOLLM2_NAME
+from ..resources.target_parts import is_whole
 from ..utils.extras import require
 from ..utils.fingerprint import weights_fingerprint
 from .data import MANIFEST, Example, dataset_digests, load_dataset
@@ -69,6 +71,7 @@ from .features import TargetFeatures
 from .losses import LOSSES
 from .profile import PROFILE_MAX_DEPTH, PROFILE_MAX_TOTAL, PROFILE_NEW_TOKENS, PROFILE_TOP_KS, acceptance_profile
 from .sharding import ignore_shared_embedding, is_sharded, whole_draft
+from .target_weights import TARGET_WEIGHTS, load_run_target, target_for_features
 from .ttt import TrainingTimeTest, target_distribution
 from .vocab import (
     coverage,
@@ -85,7 +88,7 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")
 RESUMABLE_CHANGES = (
     "output_dir", "max_steps", "epochs", "log_every", "eval_every", "eval_batches", "eval_ttt_steps", "save_every",
     "keep_checkpoints", "threads", "save_dtype", "profile_prompts", "precompute_batch_tokens", "feature_workers",
-    "eval_tree_prompts",
+    "eval_tree_prompts", "target_weights",
 )
 # Why every other setting is fixed for the life of a run: changed midway, the run would be neither the old one nor a
 # new one (a test checks that every setting is in one of the two).
@@ -189,6 +192,11 @@ class TrainConfig:
                                                   "(conversations batched by length; a longer one goes alone)")
     feature_workers: int = _setting(2, "DataLoader worker processes reading precomputed features ahead of the step "
                                        "(0: read in the training process)")
+    target_weights: str = _setting("auto", "which of the target's weights each process loads: whole; parts, only "
+                                           "its embedding, final norm and LM head (what training on precomputed "
+                                           "features reads; its decoder layers are never loaded); auto: parts when "
+                                           "every --precompute-features file is present and no option decodes with "
+                                           "the target (--eval-tree-prompts 0 --profile-prompts 0), else whole")
     threads: int | None = _setting(None, "torch CPU threads per process; default: torch's choice")
     save_dtype: str = _setting("float32", f"dtype of the final draft in OUTPUT_DIR/draft ({', '.join(SAVE_DTYPES)}; "
                                           "e.g. bfloat16 to ship it)")
@@ -246,6 +254,8 @@ class TrainConfig:
                             "starts from: pass one of them")
         if self.loss not in LOSSES:
             problems.append(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.target_weights not in TARGET_WEIGHTS:
+            problems.append(f"--target-weights must be one of {', '.join(TARGET_WEIGHTS)}, got {self.target_weights!r}")
         if self.save_dtype not in SAVE_DTYPES:
             problems.append(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if problems:
@@ -836,9 +846,9 @@ def train(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
 
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
     if target is None:
-        target = load_target_model(config.target, torch.bfloat16 if config.bf16 else torch.float32, accelerator.device)
-    target.requires_grad_(False)
+        target = load_run_target(config, dtype, accelerator.device)
     train_examples, eval_examples = _split_examples(config)
     _check_data_fits(config, target, train_examples + eval_examples)
     vocabulary_path = output_dir / DRAFT_VOCABULARY_FILE
@@ -859,6 +869,10 @@ def train(
         draft_vocabulary_for_run(vocabulary_path, train_examples, config.draft_vocab_size, draft_config.vocab_size)
     accelerator.wait_for_everyone()
     draft_token_ids = load_draft_vocabulary(vocabulary_path)
+    # the target's parts are enough once every feature file is there; else the whole target computes the missing
+    target = target_for_features(target, config, draft_config.target_layer_ids,
+                                 {"train": train_examples, "eval": eval_examples}, dtype, accelerator.device)
+    target.requires_grad_(False)
     # a fresh draft's head starts as the target's rows where asked; a grown one's new rows always do (mapped)
     init_head = config.init_head_from_target if initial_draft is None else grows
     draft = build_draft(draft_config, target, draft_token_ids, init_head, config.init_layer_from_target)
@@ -1025,6 +1039,10 @@ def speed_verdict(draft: Eagle3DraftModel, target, folder: Path, target_name: st
     if not draft.config.acceptance_profile:
         return (f"Wrote {folder}, without an acceptance profile (--profile-prompts 0 or no held-out prompt), so "
                 f"whether it decodes faster than plain decoding is not known: measure it with `{bench}`.")
+    if not is_whole(target):
+        return (f"Wrote {folder}; the run loaded only the target's embedding, final norm and LM head "
+                f"(--target-weights), so whether the draft decodes faster than plain decoding is not known: measure "
+                f"it with `{bench}`.")
     choice = choose_tree(target, draft)
     if choice.settings is None:
         return (f"Wrote {folder}, which is not predicted to decode faster than plain decoding on this machine "
