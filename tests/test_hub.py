@@ -462,6 +462,14 @@ def test_the_card_serves_the_repository_by_its_id_with_the_drafts_tree_defaults(
     assert "`AutoModel` without `trust_remote_code=True` would build a plain `LlamaModel`" in card.text
 
 
+def test_the_card_feeds_openvino_genai_the_drafts_target_layers_in_its_numbering(saved_draft):
+    card = _card(saved_draft)
+    layers = Eagle3DraftModel.from_pretrained(saved_draft).config.target_layer_ids  # hidden_states indices
+    written = " ".join(str(layer - 1) for layer in layers)  # outputs of layers, as eagle_config numbers them
+    assert f'<hidden_layers_list value="{written}" />' in card.text
+    assert "branching_factor=1, num_assistant_tokens=4" in card.text  # a chain of the draft's depth
+
+
 def test_the_card_of_a_draft_pushed_in_hf_eagle3s_own_layout_converts_it_for_serving(tmp_path):
     tiny_draft(target_name_or_path="org/target").save_pretrained(tmp_path, served_layout=False)
     card = _card(tmp_path, served_layout=False)

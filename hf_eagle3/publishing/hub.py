@@ -32,7 +32,7 @@ from transformers.utils import logging
 
 from ..configuration_eagle3 import Eagle3Config, is_served_layout
 from ..conversion import ConversionError, DraftCheckpoint, read_checkpoint, sglang
-from ..conversion.fields import dtype_name
+from ..conversion.fields import dtype_name, output_of_layer_ids
 from ..conversion.files import WEIGHT_FILES, config_text, read_json
 from ..modeling_eagle3 import Eagle3DraftModel
 from ..resources.smollm2 import SMOLLM2_LICENSE, SMOLLM2_NAME, smollm2_dir
@@ -111,6 +111,8 @@ def draft_model_card(
         # vLLM and SGLang both serve the SpecForge / SGLang layout (the repository's own, or converted to); the drafts
         # it cannot express, vLLM serves as speculators.
         serving_format="speculators" if sglang.refusal(config) is not None else "served" if served_layout else "sglang",
+        # OpenVINO GenAI's hidden_layers_list numbers outputs of layers, as eagle_config does
+        openvino_layers=" ".join(map(str, output_of_layer_ids(config.target_layer_ids or []))),
         training=training,
     )
 
